@@ -1,0 +1,77 @@
+"""Engine speed on the default model: prefill tokens/s (512 and 2048 prompt tokens), decode
+tokens/s at batch 1 and batch 8, and the process's peak memory.
+
+    python -m bench.engine [MODEL.gguf] [--repeats N]
+
+Figures are min / median / max over the repeats. The peer's figures on the same machine
+class come from ``python -m bench.serve`` (which runs both servers in one go).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import numpy as np
+
+from worker.engine.engine import Engine
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):8.1f} {statistics.median(values):8.1f} {max(values):8.1f}"
+
+
+def measure(engine: Engine, repeats: int) -> list[tuple[str, list[float]]]:
+    model = engine.model
+    rng = np.random.default_rng(0)
+    vocab = model.hp.n_vocab
+    rows: list[tuple[str, list[float]]] = []
+    for n in (512, 2048):
+        tokens = rng.integers(0, vocab, n).tolist()
+        speeds = []
+        for _ in range(repeats):
+            cache = model.new_cache(n + 8)
+            started = time.perf_counter()
+            engine.prefill(cache, tokens)
+            speeds.append(n / (time.perf_counter() - started))
+        rows.append((f"prefill {n} tokens (tok/s)", speeds))
+    for batch in (1, 8):
+        caches = [model.new_cache(512) for _ in range(batch)]
+        for cache in caches:
+            engine.prefill(cache, rng.integers(0, vocab, 128).tolist())
+        speeds = []
+        steps = 32
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for _ in range(steps):
+                model.forward([(cache, [int(rng.integers(0, vocab))]) for cache in caches])
+            speeds.append(batch * steps / (time.perf_counter() - started))
+            for cache in caches:
+                cache.truncate(128)
+        rows.append((f"decode batch {batch} (tok/s, all streams)", speeds))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__)
+    parser.add_argument("model", nargs="?")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    from shared.default_model import default_model_path
+    started = time.perf_counter()
+    engine = Engine.load(args.model or default_model_path())
+    load_seconds = time.perf_counter() - started
+    print(f"model {engine.model_id} ({engine.architecture}), {engine.model.weight_bytes / 2**20:.0f} MiB "
+          f"of float32 weights, loaded in {load_seconds:.1f} s")
+    print(f"{'lmserve engine':40s} {'min':>8s} {'median':>8s} {'max':>8s}")
+    for label, values in measure(engine, args.repeats):
+        print(f"{label:40s} {_spread(values)}")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"{'peak resident memory (MiB)':40s} {peak:8.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

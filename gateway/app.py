@@ -1,0 +1,224 @@
+"""The gateway's FastAPI application: routes, the worker connection, error mapping.
+
+Every dialect request takes the same path: read and parse the body, let the dialect module
+translate it, run ``gateway.generation``, and hand the events back to the dialect to render,
+whole or as SSE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from gateway import sse
+from gateway.dialects import anthropic_messages, openai_chat, openai_responses
+from gateway.edge import EdgeMiddleware, EdgeSettings
+from gateway.errors import dialect_for_path, error_response
+from gateway.generation import Completion, generate
+from gateway.neutral import Event, Ping, Started
+from gateway.prompting import ModelView
+from gateway.request_fields import parse_json_object
+from shared.errors import (
+    InvalidRequestError,
+    LmserveError,
+    NotFoundError,
+    WorkerUnavailableError,
+)
+from shared.worker_client import WorkerClient
+
+log = logging.getLogger("lmserve.gateway")
+
+
+@dataclass
+class GatewaySettings:
+    worker: str = "tcp://127.0.0.1:5557"
+    edge: EdgeSettings = field(default_factory=EdgeSettings)
+    ping_interval: float = 10.0  # seconds of silence before an SSE keep-alive
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 6.0
+
+
+class Gateway:
+    """The state one gateway process keeps: its worker client and the model it serves."""
+
+    def __init__(self, settings: GatewaySettings):
+        self.settings = settings
+        self.client = WorkerClient(settings.worker, settings.heartbeat_interval, settings.heartbeat_timeout)
+        self._view: ModelView | None = None
+
+    def view(self) -> ModelView:
+        card = self.client.card
+        if not self.client.ready or card is None:
+            raise WorkerUnavailableError(
+                self.client.version_error or "the model is not ready yet (the worker is loading or unreachable)")
+        if self._view is None or self._view.card.instance != card.instance:
+            self._view = ModelView.from_card(card)
+        return self._view
+
+    async def run(self, request: Request, dialect: ModuleType) -> Response:
+        body = parse_json_object(await request.body())
+        view = self.view()
+        neutral = dialect.parse(body, view, request.headers)
+        events = generate(view, self.client, neutral, self.settings.ping_interval)
+        first = await _first_started(events)
+        if neutral.stream:
+            return sse.streaming_response(_stream_body(dialect, neutral, view, first, events))
+        completion = Completion()
+        completion.add(first)
+        async with _abort_on_disconnect(request), aclosing(events):
+            async for event in events:
+                completion.add(event)
+        finish = completion.finish
+        if finish is None or finish.reason == "error":
+            raise LmserveError(finish.error if finish and finish.error else "generation failed")
+        return JSONResponse(dialect.render(neutral, view, completion))
+
+
+async def _first_started(events: AsyncIterator[Event]) -> Started:
+    """Wait for the worker to accept; errors before that become ordinary HTTP errors."""
+    while True:
+        event = await events.__anext__()
+        if isinstance(event, Started):
+            return event
+        if not isinstance(event, Ping):
+            raise LmserveError(f"unexpected {type(event).__name__} before the request started")
+
+
+async def _stream_body(dialect: ModuleType, neutral, view: ModelView, first: Event,
+                       events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    async def replay() -> AsyncIterator[Event]:
+        yield first
+        async for event in events:
+            yield event
+
+    async with aclosing(events), aclosing(replay()) as replayed, \
+            aclosing(dialect.stream(neutral, view, replayed)) as chunks:
+        async for chunk in chunks:
+            yield chunk
+
+
+@asynccontextmanager
+async def _abort_on_disconnect(request: Request):
+    """Cancel the surrounding work if the client hangs up before a whole answer is ready."""
+    task = asyncio.current_task()
+    assert task is not None
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                task.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+
+
+def models_body(view: ModelView, created: int) -> dict[str, Any]:
+    """One body both SDKs accept: OpenAI's list and Anthropic's page of model infos."""
+    model_id = view.model_id
+    entry = {"id": model_id, "object": "model", "created": created, "owned_by": "lmserve",
+             "type": "model", "display_name": model_id,
+             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+             "max_input_tokens": view.context_budget, "context_length": view.context_budget}
+    return {"object": "list", "data": [entry], "has_more": False, "first_id": model_id, "last_id": model_id}
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    gateway = Gateway(settings)
+    started_at = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gateway.client.start()
+        try:
+            yield
+        finally:
+            await gateway.client.close()
+
+    app = FastAPI(title="lmserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gateway
+
+    @app.exception_handler(LmserveError)
+    async def on_lmserve_error(request: Request, error: LmserveError) -> Response:
+        if error.status >= 500:
+            log.warning("%s %s: %s", request.method, request.url.path, error.message)
+        return error_response(dialect_for_path(request.url.path, request.headers), error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, error: StarletteHTTPException) -> Response:
+        dialect = dialect_for_path(request.url.path, request.headers)
+        if error.status_code == 404:
+            return error_response(dialect, NotFoundError(f"there is no {request.url.path} on this server"))
+        wrapped = InvalidRequestError(f"{request.method} is not allowed on {request.url.path}")
+        wrapped.status = error.status_code
+        return error_response(dialect, wrapped)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, error: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(dialect_for_path(request.url.path, request.headers),
+                              LmserveError(f"internal error: {type(error).__name__}"))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await gateway.run(request, openai_chat)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await gateway.run(request, openai_responses)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        raise NotFoundError(f"response {response_id!r} is not stored: this server is stateless (store is never kept)")
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await gateway.run(request, anthropic_messages)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        body = parse_json_object(await request.body())
+        view = gateway.view()
+        return JSONResponse({"input_tokens": anthropic_messages.count_tokens(body, view, request.headers)})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse(models_body(gateway.view(), started_at))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        body = models_body(gateway.view(), started_at)["data"][0]
+        return JSONResponse({**body, "id": model_id})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not gateway.client.ready:
+            return JSONResponse({"status": "loading", "error": gateway.client.version_error}, status_code=503)
+        waiting, running = gateway.client.worker_load
+        return JSONResponse({"status": "ok", "model": gateway.client.card.model_id,
+                             "worker": {"waiting": waiting, "running": running}})
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.api_route("/api/hello", methods=["GET", "HEAD"])
+    async def hello() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    app.add_middleware(EdgeMiddleware, settings=settings.edge)
+    return app

@@ -1,0 +1,223 @@
+"""OpenAI Chat Completions (``POST /v1/chat/completions``): wire JSON <-> neutral request/events."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gateway import sse
+from gateway.dialects.common import (
+    logprob_entries,
+    max_tokens_field,
+    new_id,
+    reasoning_from_effort,
+    stop_list,
+)
+from gateway.errors import CHAT, sse_error_payload
+from gateway.generation import Completion
+from gateway.neutral import (
+    Event,
+    Finish,
+    LogprobsDelta,
+    NeutralRequest,
+    Ping,
+    ReasoningDelta,
+    TextDelta,
+    Usage,
+)
+from gateway.prompting import ModelView
+from gateway.request_fields import (
+    check_type,
+    field,
+    number_in,
+    reject_unknown,
+    text_of_parts,
+)
+from shared.errors import InvalidRequestError, LmserveError
+from shared.sampling_params import SamplingParams
+
+HONORED = {
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+    "min_p", "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "logprobs", "top_logprobs", "n", "stream", "stream_options", "reasoning_effort",
+    "tools", "tool_choice", "parallel_tool_calls", "response_format", "prompt_cache_key",
+}
+IGNORED = {
+    "user", "safety_identifier", "metadata", "store", "service_tier", "prompt_cache_retention",
+    "prompt_cache_options", "verbosity", "modalities", "audio", "prediction", "web_search_options",
+    "moderation",
+}
+REJECTED = {"functions", "function_call"}  # the pre-tools calling style
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal",
+                  "reasoning_content", "reasoning", "function_call", "audio"}
+
+FINISH_REASONS = {"stop": "stop", "stop_sequence": "stop", "length": "length", "context": "length",
+                  "tool_calls": "tool_calls", "error": "stop"}
+
+
+def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest:
+    reject_unknown(body, HONORED | IGNORED | REJECTED)
+    for key in REJECTED:
+        if key in body:
+            raise InvalidRequestError(f"'{key}' is the retired function-calling style; send 'tools' instead", param=key)
+    n = field(body, "n", int, default=1)
+    if n != 1:
+        raise InvalidRequestError(f"'n' must be 1: this server returns one choice per request, got {n}", param="n")
+    response_format = field(body, "response_format", dict)
+    if response_format is not None and field(response_format, "type", str, "response_format") != "text":
+        raise InvalidRequestError("'response_format' other than text is not available on this server yet",
+                                  param="response_format")
+    messages = [_message(m, i) for i, m in enumerate(field(body, "messages", list, required=True))]
+    stream = bool(field(body, "stream", bool, default=False))
+    stream_options = field(body, "stream_options", dict, default={})
+    top_logprobs = number_in(body, "top_logprobs", 0, 20, integer=True, default=0)
+    logprobs = bool(field(body, "logprobs", bool, default=False))
+    if top_logprobs and not logprobs:
+        raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    logit_bias = field(body, "logit_bias", dict, default={})
+    bias: dict[int, float] = {}
+    for key, value in logit_bias.items():
+        if not str(key).lstrip("-").isdigit():
+            raise InvalidRequestError(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias")
+        check_type(value, float, f"logit_bias.{key}")
+        if not -100 <= value <= 100:
+            raise InvalidRequestError(f"'logit_bias.{key}' must be between -100 and 100", param="logit_bias")
+        bias[int(key)] = float(value)
+    try:
+        sampling = SamplingParams(
+            temperature=number_in(body, "temperature", 0, 2, default=1.0),
+            top_p=number_in(body, "top_p", 0, 1, default=1.0) or 1e-9,
+            top_k=number_in(body, "top_k", 0, 1 << 20, integer=True, default=0),
+            min_p=number_in(body, "min_p", 0, 1, default=0.0),
+            seed=field(body, "seed", int),
+            presence_penalty=number_in(body, "presence_penalty", -2, 2, default=0.0),
+            frequency_penalty=number_in(body, "frequency_penalty", -2, 2, default=0.0),
+            repetition_penalty=number_in(body, "repetition_penalty", 0.01, 10, default=1.0),
+            logit_bias=bias, logprobs=logprobs, top_logprobs=top_logprobs)
+    except InvalidRequestError:
+        raise
+    effort = field(body, "reasoning_effort", str)
+    return NeutralRequest(
+        dialect=CHAT,
+        model=field(body, "model", str, default=view.model_id),
+        messages=messages,
+        max_tokens=max_tokens_field(body, "max_completion_tokens", "max_tokens"),
+        sampling=sampling,
+        stop=stop_list(body.get("stop"), "stop"),
+        tools=[_tool(t, i) for i, t in enumerate(field(body, "tools", list, default=[]))],
+        tool_choice=body.get("tool_choice", "auto"),
+        parallel_tool_calls=bool(field(body, "parallel_tool_calls", bool, default=True)),
+        reasoning=reasoning_from_effort(effort, view, "reasoning_effort", reject_unsupported=True),
+        stream=stream,
+        cache_hint=field(body, "prompt_cache_key", str),
+        extra={"include_usage": bool(field(stream_options, "include_usage", bool, "stream_options", default=False))},
+    )
+
+
+def _message(message: Any, i: int) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    check_type(message, dict, where)
+    reject_unknown(message, MESSAGE_FIELDS, where)
+    role = field(message, "role", str, where, required=True)
+    if role == "developer":
+        role = "system"
+    if role not in ("system", "user", "assistant", "tool"):
+        raise InvalidRequestError(
+            f"'{where}.role' must be system, developer, user, assistant or tool, got {role!r}", param=f"{where}.role")
+    parts = ("text", "refusal") if role == "assistant" else ("text",)
+    out: dict[str, Any] = {"role": role, "content": text_of_parts(message.get("content"), f"{where}.content", parts)}
+    if role == "assistant":
+        calls = field(message, "tool_calls", list, where, default=[])
+        if calls:
+            out["tool_calls"] = [_history_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+        reasoning = field(message, "reasoning_content", str, where) or field(message, "reasoning", str, where)
+        if reasoning:
+            out["reasoning_content"] = reasoning
+    if role == "tool":
+        out["tool_call_id"] = field(message, "tool_call_id", str, where, required=True)
+    name = field(message, "name", str, where)
+    if name:
+        out["name"] = name
+    return out
+
+
+def _history_call(call: Any, where: str) -> dict[str, Any]:
+    check_type(call, dict, where)
+    function = field(call, "function", dict, where, required=True)
+    arguments = field(function, "arguments", str, f"{where}.function", default="{}")
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        parsed = arguments  # the template shows it verbatim
+    return {"id": field(call, "id", str, where, default=""), "type": "function",
+            "function": {"name": field(function, "name", str, f"{where}.function", required=True),
+                         "arguments": parsed}}
+
+
+def _tool(tool: Any, i: int) -> dict[str, Any]:
+    where = f"tools[{i}]"
+    check_type(tool, dict, where)
+    kind = field(tool, "type", str, where, default="function")
+    if kind != "function":
+        raise InvalidRequestError(f"'{where}.type' {kind!r} is not supported; send function tools", param=f"{where}.type")
+    function = field(tool, "function", dict, where, required=True)
+    field(function, "name", str, f"{where}.function", required=True)
+    return {"type": "function", "function": function}
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens}}
+
+
+def render(request: NeutralRequest, view: ModelView, completion: Completion) -> dict[str, Any]:
+    finish = completion.finish
+    assert finish is not None
+    message: dict[str, Any] = {"role": "assistant", "content": completion.content, "refusal": None}
+    if completion.reasoning_text:
+        message["reasoning_content"] = message["reasoning"] = completion.reasoning_text
+    logprobs = ({"content": logprob_entries(completion.logprobs), "refusal": None}
+                if request.sampling.logprobs else None)
+    return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()),
+            "model": request.model, "system_fingerprint": view.card.fingerprint[:16],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs,
+                         "finish_reason": FINISH_REASONS.get(finish.reason, "stop")}],
+            "usage": _usage(finish.usage)}
+
+
+async def stream(request: NeutralRequest, view: ModelView, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    base = {"id": new_id("chatcmpl-"), "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": request.model, "system_fingerprint": view.card.fingerprint[:16]}
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> bytes:
+        return sse.event({**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                               "finish_reason": finish_reason}], "usage": None})
+
+    yield chunk({"role": "assistant", "content": ""})
+    try:
+        async for event in events:
+            if isinstance(event, TextDelta):
+                yield chunk({"content": event.text})
+            elif isinstance(event, ReasoningDelta):
+                yield chunk({"reasoning_content": event.text, "reasoning": event.text})
+            elif isinstance(event, LogprobsDelta) and request.sampling.logprobs:
+                yield chunk({}, logprobs={"content": logprob_entries(event.items), "refusal": None})
+            elif isinstance(event, Ping):
+                yield sse.comment()
+            elif isinstance(event, Finish):
+                if event.reason == "error":
+                    yield sse.event(sse_error_payload(CHAT, LmserveError(event.error or "generation failed")))
+                    return
+                yield chunk({}, FINISH_REASONS.get(event.reason, "stop"))
+                if request.extra.get("include_usage"):
+                    yield sse.event({**base, "choices": [], "usage": _usage(event.usage)})
+    except LmserveError as exc:
+        yield sse.event(sse_error_payload(CHAT, exc))
+        return
+    yield sse.event("[DONE]")

@@ -1,0 +1,506 @@
+"""OpenAI Responses (``POST /v1/responses``), stateless: wire JSON <-> neutral request/events.
+
+Decisions a client may notice:
+
+- Stateless. ``store`` true or false is accepted and nothing is ever kept, so
+  ``previous_response_id``, ``conversation`` and stored ``prompt`` templates are refused with a 400
+  that names the field; callers (Codex included) re-send the whole history in ``input``.
+- Reasoning. ``reasoning.effort`` none|minimal turns the model's reasoning channel off, the other
+  values turn it on. Codex sends an effort on every request, so on a model without a reasoning
+  channel an enabling effort is a no-op here (Chat Completions rejects it) and the response
+  reports ``"reasoning": {"effort": null, "summary": null}``. Summaries are never written: what
+  the model thinks comes back raw, as ``reasoning_text`` content of a ``reasoning`` item, and
+  ``summary`` is always null in the echo.
+- Tools. Function tools reach the chat template; members of ``namespace`` tools are flattened into
+  the same list (the member's own name, qualified as ``namespace.member`` only on a clash), and
+  the map back to {namespace, name} is kept for the tool-calling path. ``custom`` (freeform) tools
+  are accepted and kept aside. Hosted tools (web_search, file_search, mcp, ...) cannot run here
+  and are skipped without failing.
+- ``text.format`` json_object / json_schema are refused until constrained decoding lands.
+- ``truncation`` is accepted but the prompt is never cut: one beyond the context budget is a 400
+  with code ``context_length_exceeded``.
+- Top-level fields are checked strictly (an unknown one is a 400); inside input items only the
+  fields we read are checked, since clients add item fields (ids, status, phase) freely.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+from typing import Any
+
+from gateway import sse
+from gateway.dialects.common import (
+    EFFORT_OFF,
+    logprob_entries,
+    max_tokens_field,
+    new_id,
+    reasoning_from_effort,
+)
+from gateway.errors import RESPONSES, error_body
+from gateway.generation import Completion
+from gateway.neutral import (
+    Event,
+    Finish,
+    LogprobsDelta,
+    NeutralRequest,
+    Ping,
+    ReasoningDelta,
+    TextDelta,
+    Usage,
+)
+from gateway.prompting import ModelView
+from gateway.request_fields import (
+    check_type,
+    field,
+    number_in,
+    reject_unknown,
+    text_of_parts,
+)
+from shared.errors import InvalidRequestError, LmserveError
+from shared.sampling_params import SamplingParams
+
+HONORED = {
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "top_logprobs",
+    "reasoning", "text", "tools", "tool_choice", "parallel_tool_calls", "stream", "store", "include",
+    "prompt_cache_key", "metadata", "truncation", "background",
+}
+IGNORED = {
+    "user", "safety_identifier", "client_metadata", "service_tier", "stream_options",
+    "prompt_cache_retention", "prompt_cache_options", "max_tool_calls", "context_management",
+}
+REJECTED = {"previous_response_id", "conversation", "prompt"}  # they need state we never keep
+
+TEXT_PARTS = ("input_text", "output_text")
+SKIPPED_ITEMS = {"item_reference", "compaction", "compaction_trigger"}
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+INCOMPLETE_REASONS = {"length", "context"}  # both mean the output budget ran out
+
+
+# --- parsing --------------------------------------------------------------------------------
+
+@dataclass
+class _ToolSet:
+    """What the tools of a request become: template tools, plus what the template cannot show."""
+
+    # (namespace or None, function definition in the chat-template shape), in request order
+    declared: list[tuple[str | None, dict[str, Any]]] = dataclass_field(default_factory=list)
+    custom: list[dict[str, Any]] = dataclass_field(default_factory=list)
+
+    def add(self, tool: Any, where: str, namespace: str | None = None) -> None:
+        check_type(tool, dict, where)
+        kind = field(tool, "type", str, where, required=True)
+        if kind == "function":
+            field(tool, "name", str, where, required=True)
+            self.declared.append((namespace, {key: tool[key] for key in ("name", "description", "parameters", "strict")
+                                              if tool.get(key) is not None}))
+        elif kind == "custom":
+            field(tool, "name", str, where, required=True)
+            self.custom.append({**tool, "namespace": namespace} if namespace else dict(tool))
+        elif kind == "namespace" and namespace is None:
+            outer = field(tool, "name", str, where, required=True)
+            for j, member in enumerate(field(tool, "tools", list, where, required=True)):
+                self.add(member, f"{where}.tools[{j}]", namespace=outer)
+        elif kind == "namespace":
+            raise InvalidRequestError(f"'{where}' nests a namespace inside a namespace", param=f"{where}.type")
+        # Any other type is a hosted tool (web_search, file_search, mcp, ...): nothing here runs it.
+
+    def flat_name(self, name: str, namespace: str | None) -> str:
+        """The name the model sees: a namespace member keeps its own name unless another tool
+        has it too (then ``namespace.name``), so calls can be mapped back unambiguously."""
+        if namespace is None or sum(1 for _, f in self.declared if f["name"] == name) == 1:
+            return name
+        return f"{namespace}.{name}"
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        return [{"type": "function", "function": {**function, "name": self.flat_name(function["name"], namespace)}}
+                for namespace, function in self.declared]
+
+    def namespaced(self) -> dict[str, dict[str, str]]:
+        """Flattened name -> {namespace, name}, for returning a call inside its namespace."""
+        return {self.flat_name(function["name"], namespace): {"namespace": namespace, "name": function["name"]}
+                for namespace, function in self.declared if namespace is not None}
+
+
+def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest:
+    reject_unknown(body, HONORED | IGNORED | REJECTED)
+    for key in sorted(REJECTED):
+        if body.get(key) is not None:
+            raise InvalidRequestError(
+                f"'{key}' needs server-side state, and this server is stateless: send the whole "
+                f"conversation in 'input' instead", param=key)
+    if field(body, "background", bool, default=False):
+        raise InvalidRequestError("'background': true needs stored responses; this server is stateless",
+                                  param="background")
+    text = field(body, "text", dict, default={})
+    text_format = field(text, "format", dict, "text", default={"type": "text"})
+    if field(text_format, "type", str, "text.format", required=True) != "text":
+        raise InvalidRequestError("'text.format' other than text is not available on this server yet",
+                                  param="text.format")
+    field(text, "verbosity", str, "text")
+    truncation = field(body, "truncation", str, default="disabled")
+    if truncation not in ("auto", "disabled"):
+        raise InvalidRequestError(f"'truncation' must be auto or disabled, got {truncation!r}", param="truncation")
+
+    tools = _ToolSet()
+    raw_tools = field(body, "tools", list, default=[])
+    for i, tool in enumerate(raw_tools):
+        tools.add(tool, f"tools[{i}]")
+    items = _input_items(body.get("input"))
+    # Tools that arrive inside the input must be known before any call in the history names them.
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and item.get("type") == "additional_tools":
+            for j, tool in enumerate(field(item, "tools", list, f"input[{i}]", required=True)):
+                tools.add(tool, f"input[{i}].tools[{j}]")
+
+    messages: list[dict[str, Any]] = []
+    instructions = field(body, "instructions", str)
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    messages += _history(items, tools)
+    if not messages:
+        raise InvalidRequestError("'input' is empty and there are no 'instructions': nothing to answer",
+                                  param="input")
+
+    include = field(body, "include", list, default=[])
+    for i, entry in enumerate(include):
+        check_type(entry, str, f"include[{i}]")
+    top_logprobs = number_in(body, "top_logprobs", 0, 20, integer=True, default=0)
+    temperature = number_in(body, "temperature", 0, 2, default=1.0)
+    top_p = number_in(body, "top_p", 0, 1, default=1.0)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p or 1e-9,
+                              logprobs=LOGPROBS_INCLUDE in include or top_logprobs > 0,
+                              top_logprobs=top_logprobs)
+
+    reasoning_knobs = field(body, "reasoning", dict, default={})
+    effort = field(reasoning_knobs, "effort", str, "reasoning")
+    field(reasoning_knobs, "summary", str, "reasoning")
+    reasoning = reasoning_from_effort(effort, view, "reasoning.effort", reject_unsupported=False)
+    honoured_effort = effort if reasoning or effort in EFFORT_OFF else None
+
+    tool_choice = body.get("tool_choice", "auto")
+    check_type(tool_choice, (str, dict), "tool_choice")
+    metadata = field(body, "metadata", dict, default={})
+    field(body, "client_metadata", dict)
+    max_output_tokens = max_tokens_field(body, "max_output_tokens")
+    parallel = bool(field(body, "parallel_tool_calls", bool, default=True))
+    cache_key = field(body, "prompt_cache_key", str)
+    echo = {
+        "instructions": instructions, "metadata": metadata, "max_output_tokens": max_output_tokens,
+        "store": bool(field(body, "store", bool, default=False)), "temperature": temperature,
+        "top_p": top_p, "top_logprobs": top_logprobs, "truncation": truncation,
+        "text": {**text, "format": text_format}, "tools": raw_tools, "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel, "prompt_cache_key": cache_key,
+        "reasoning": {"effort": honoured_effort, "summary": None},
+        "user": field(body, "user", str), "safety_identifier": field(body, "safety_identifier", str),
+    }
+    return NeutralRequest(
+        dialect=RESPONSES,
+        model=field(body, "model", str, default=view.model_id),
+        messages=messages,
+        max_tokens=max_output_tokens,
+        sampling=sampling,
+        tools=tools.template_tools(),
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel,
+        reasoning=reasoning,
+        stream=bool(field(body, "stream", bool, default=False)),
+        cache_hint=cache_key,
+        extra={"echo": echo, "custom_tools": tools.custom, "namespaced_tools": tools.namespaced()},
+    )
+
+
+def _input_items(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    return check_type(value, (str, list), "input")
+
+
+def _history(items: list[Any], tools: _ToolSet) -> list[dict[str, Any]]:
+    """Input items as chat-template messages.
+
+    A turn of the model arrives as several items (reasoning, message, function_call, ...); they
+    fold into one assistant message, the way the template expects a turn.
+    """
+    messages: list[dict[str, Any]] = []
+    pending_reasoning: list[str] = []
+    # The assistant message that later items of the same turn still extend, if any.
+    turn: dict[str, Any] | None = None
+
+    def assistant_turn() -> dict[str, Any]:
+        nonlocal turn
+        if turn is None:
+            turn = {"role": "assistant", "content": ""}
+            messages.append(turn)
+        if pending_reasoning:
+            joined = "\n".join(filter(None, [turn.get("reasoning_content"), *pending_reasoning]))
+            turn["reasoning_content"] = joined
+            pending_reasoning.clear()
+        return turn
+
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        check_type(item, dict, where)
+        kind = field(item, "type", str, where, default="message")
+        if kind == "message":
+            role = field(item, "role", str, where, required=True)
+            content = text_of_parts(item.get("content"), f"{where}.content", TEXT_PARTS)
+            if role == "assistant":
+                turn = None  # a second message item starts a new assistant message
+                assistant_turn()["content"] = content
+                continue
+            if role not in ("user", "system", "developer"):
+                raise InvalidRequestError(
+                    f"'{where}.role' must be user, assistant, system or developer, got {role!r}",
+                    param=f"{where}.role")
+            _settle(pending_reasoning, messages)
+            turn = None
+            messages.append({"role": "system" if role == "developer" else role, "content": content})
+        elif kind in ("function_call", "custom_tool_call"):
+            name = field(item, "name", str, where, required=True)
+            call_id = field(item, "call_id", str, where, required=True)
+            if kind == "function_call":
+                arguments: Any = _arguments(field(item, "arguments", str, where, default="{}"))
+                name = tools.flat_name(name, field(item, "namespace", str, where))
+            else:
+                arguments = field(item, "input", str, where, default="")  # freeform text, shown verbatim
+            assistant_turn().setdefault("tool_calls", []).append(
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            _settle(pending_reasoning, messages)
+            turn = None
+            messages.append({"role": "tool", "tool_call_id": field(item, "call_id", str, where, required=True),
+                             "content": text_of_parts(item.get("output"), f"{where}.output", TEXT_PARTS)})
+        elif kind == "reasoning":
+            text = _reasoning_text(item, where)
+            if text:
+                pending_reasoning.append(text)
+        elif kind == "additional_tools" or kind in SKIPPED_ITEMS:
+            continue  # additional_tools were merged before the history was read
+        else:
+            raise InvalidRequestError(
+                f"'{where}.type' {kind!r} cannot be replayed on this server; it reads message, "
+                f"function_call, function_call_output, custom_tool_call(_output), reasoning and "
+                f"additional_tools items", param=f"{where}.type")
+    _settle(pending_reasoning, messages)
+    return messages
+
+
+def _settle(pending_reasoning: list[str], messages: list[dict[str, Any]]) -> None:
+    """Reasoning with no assistant item after it belongs to the assistant turn before it."""
+    if not pending_reasoning:
+        return
+    previous = next((m for m in reversed(messages) if m["role"] == "assistant"), None)
+    if previous is not None:
+        previous["reasoning_content"] = "\n".join(
+            filter(None, [previous.get("reasoning_content"), *pending_reasoning]))
+    pending_reasoning.clear()
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    # Raw reasoning is what the model wrote; a summary is the next best record of it.
+    content = field(item, "content", list, where, default=[])
+    text = text_of_parts(content, f"{where}.content", ("reasoning_text",))
+    if text:
+        return text
+    pieces = []
+    for j, part in enumerate(field(item, "summary", list, where, default=[])):
+        check_type(part, dict, f"{where}.summary[{j}]")
+        pieces.append(field(part, "text", str, f"{where}.summary[{j}]", required=True))
+    return "\n".join(pieces)
+
+
+def _arguments(arguments: str) -> Any:
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        return arguments  # the template shows it verbatim
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    return {"input_tokens": usage.prompt_tokens,
+            # Only reuse is measured; the current SDK schema requires the write count anyway.
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+def _failure(error: LmserveError) -> dict[str, Any]:
+    envelope = error_body(RESPONSES, error)["error"]
+    return {"code": envelope["code"] or envelope["type"], "message": envelope["message"]}
+
+
+def _part(kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _item(kind: str, item_id: str, status: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    if kind == "reasoning":
+        return {"id": item_id, "type": "reasoning", "summary": [], "content": parts, "status": status}
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": parts}
+
+
+def _terminal_status(finish: Finish) -> str:
+    if finish.reason == "error":
+        return "failed"
+    return "incomplete" if finish.reason in INCOMPLETE_REASONS else "completed"
+
+
+def _response(request: NeutralRequest, response_id: str, created_at: int, status: str,
+              output: list[dict[str, Any]], usage: Usage | None = None,
+              error: dict[str, Any] | None = None) -> dict[str, Any]:
+    echo = request.extra["echo"]
+    finished = status in ("completed", "incomplete", "failed")
+    return {
+        "id": response_id, "object": "response", "created_at": created_at,
+        "completed_at": int(time.time()) if finished else None,
+        "status": status, "background": False, "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "model": request.model, "output": output, "previous_response_id": None,
+        "service_tier": "default", "usage": _usage(usage) if usage else None, **echo,
+    }
+
+
+def render(request: NeutralRequest, view: ModelView, completion: Completion) -> dict[str, Any]:
+    finish = completion.finish
+    assert finish is not None
+    status = _terminal_status(finish)
+    item_status = "incomplete" if status == "incomplete" else "completed"
+    output = []
+    if completion.reasoning_text:
+        output.append(_item("reasoning", new_id("rs_"), item_status,
+                            [_part("reasoning", completion.reasoning_text)]))
+    if completion.content or not output:
+        logprobs = logprob_entries(completion.logprobs) if request.sampling.logprobs else []
+        output.append(_item("message", new_id("msg_"), item_status,
+                            [_part("message", completion.content, logprobs)]))
+    return _response(request, new_id("resp_"), int(time.time()), status, output, finish.usage)
+
+
+@dataclass
+class _OpenItem:
+    kind: str  # "reasoning" | "message"
+    item_id: str
+    index: int
+    text: list[str] = dataclass_field(default_factory=list)
+    logprobs: list[dict[str, Any]] = dataclass_field(default_factory=list)
+
+
+class _ResponseStream:
+    """One response's SSE events: numbering, and the added/delta/done life of each output item."""
+
+    def __init__(self, request: NeutralRequest):
+        self.request = request
+        self.response_id = new_id("resp_")
+        self.created_at = int(time.time())
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []
+        self.open: _OpenItem | None = None
+
+    def event(self, kind: str, **payload: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **payload}
+        self.sequence += 1
+        return sse.event(data, kind)
+
+    def lifecycle(self, kind: str, status: str, usage: Usage | None = None,
+                  error: dict[str, Any] | None = None) -> bytes:
+        return self.event(kind, response=_response(self.request, self.response_id, self.created_at,
+                                                   status, list(self.output), usage, error))
+
+    def delta(self, kind: str, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
+        out = []
+        if self.open is not None and self.open.kind != kind:
+            out += self.close("completed")
+        if self.open is None:
+            out += self.start(kind)
+        item = self.open
+        assert item is not None
+        item.text.append(text)
+        where = {"item_id": item.item_id, "output_index": item.index, "content_index": 0}
+        if kind == "reasoning":
+            out.append(self.event("response.reasoning_text.delta", **where, delta=text))
+        else:
+            item.logprobs += logprobs
+            out.append(self.event("response.output_text.delta", **where, delta=text, logprobs=logprobs))
+        return out
+
+    def start(self, kind: str) -> list[bytes]:
+        item = self.open = _OpenItem(kind, new_id("rs_" if kind == "reasoning" else "msg_"),
+                                     len(self.output))
+        return [self.event("response.output_item.added", output_index=item.index,
+                           item=_item(kind, item.item_id, "in_progress", [])),
+                self.event("response.content_part.added", item_id=item.item_id, output_index=item.index,
+                           content_index=0, part=_part(kind, ""))]
+
+    def close(self, status: str) -> list[bytes]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        text = "".join(item.text)
+        part = _part(item.kind, text, item.logprobs)
+        where = {"item_id": item.item_id, "output_index": item.index, "content_index": 0}
+        done = _item(item.kind, item.item_id, status, [part])
+        self.output.append(done)
+        if item.kind == "reasoning":
+            text_done = self.event("response.reasoning_text.done", **where, text=text)
+        else:
+            text_done = self.event("response.output_text.done", **where, text=text, logprobs=item.logprobs)
+        return [text_done, self.event("response.content_part.done", **where, part=part),
+                self.event("response.output_item.done", output_index=item.index, item=done)]
+
+    def finish(self, finish: Finish) -> list[bytes]:
+        status = _terminal_status(finish)
+        item_status = "completed" if status == "completed" else "incomplete"
+        out = self.close(item_status)
+        if not self.output and status != "failed":
+            # Codex builds its history from output items, so an answer is never itemless.
+            out += self.start("message") + self.close(item_status)
+        if status == "failed":
+            error = _failure(LmserveError(finish.error or "generation failed"))
+            return out + [self.lifecycle("response.failed", status, finish.usage, error)]
+        return out + [self.lifecycle(f"response.{status}", status, finish.usage)]
+
+    def fail(self, error: LmserveError) -> list[bytes]:
+        return self.close("incomplete") + [self.lifecycle("response.failed", "failed", error=_failure(error))]
+
+
+async def stream(request: NeutralRequest, view: ModelView, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    response = _ResponseStream(request)
+    # Both go out before the first worker event, so a long prefill never looks like a dead stream.
+    yield response.lifecycle("response.created", "in_progress")
+    yield response.lifecycle("response.in_progress", "in_progress")
+    logprobs: list[dict[str, Any]] = []  # they arrive just before the text of the same tokens
+    try:
+        async for event in events:
+            chunks: list[bytes] = []
+            if isinstance(event, TextDelta):
+                chunks = response.delta("message", event.text, logprobs)
+                logprobs = []
+            elif isinstance(event, ReasoningDelta):
+                chunks = response.delta("reasoning", event.text, [])
+            elif isinstance(event, LogprobsDelta) and request.sampling.logprobs:
+                logprobs += logprob_entries(event.items)
+            elif isinstance(event, Ping):
+                chunks = [sse.comment()]
+            elif isinstance(event, Finish):
+                for chunk in response.finish(event):
+                    yield chunk
+                return
+            for chunk in chunks:
+                yield chunk
+    except LmserveError as exc:
+        for chunk in response.fail(exc):
+            yield chunk
+        return
+    for chunk in response.fail(LmserveError("the answer ended without a finish")):
+        yield chunk

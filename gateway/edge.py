@@ -1,0 +1,129 @@
+"""The HTTP edge as one ASGI middleware: Host guard, API key, connection cap, body cap.
+
+Each refusal is answered in the envelope of the dialect the path belongs to.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from dataclasses import dataclass, field
+
+from gateway.errors import dialect_for_path, error_response
+from shared.errors import (
+    AuthenticationError,
+    BusyError,
+    LmserveError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+)
+
+OPEN_PATHS = {"/health", "/", "/api/hello"}  # probes: no key needed
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def host_of(header: str) -> str:
+    """The host name of a Host header, without port or IPv6 brackets, lower case."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+@dataclass
+class EdgeSettings:
+    bind_host: str = "127.0.0.1"
+    api_key: str | None = None
+    allow_hosts: list[str] = field(default_factory=list)
+    conns: int = 32
+    max_body: int = 32 * 1024 * 1024
+
+    def allowed_hosts(self) -> set[str] | None:
+        """Host names accepted in the Host header, or None when the guard is off."""
+        extra = {h.lower().strip("[]") for h in self.allow_hosts}
+        if is_loopback(self.bind_host):
+            return LOOPBACK_NAMES | extra
+        return extra or None
+
+
+class EdgeMiddleware:
+    def __init__(self, app, settings: EdgeSettings):
+        self.app = app
+        self.settings = settings
+        self.allowed = settings.allowed_hosts()
+        self.key = settings.api_key.encode() if settings.api_key else None
+        self.active = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        path = scope.get("path", "")
+        dialect = dialect_for_path(path, headers)
+        try:
+            self._check_host(headers)
+            if path not in OPEN_PATHS:
+                self._check_key(headers)
+            length = headers.get("content-length")
+            if length and length.isdigit() and int(length) > self.settings.max_body:
+                raise PayloadTooLargeError(self._too_large(int(length)))
+            if self.active >= self.settings.conns:
+                raise BusyError(f"the server is at its connection limit ({self.settings.conns}, --conns); retry shortly")
+        except LmserveError as error:
+            await error_response(dialect, error)(scope, receive, send)
+            return
+        self.active += 1
+        try:
+            await self.app(scope, self._capped(receive), send)
+        finally:
+            self.active -= 1
+
+    def _too_large(self, size: int) -> str:
+        return f"the request body is {size} bytes, over this server's limit of {self.settings.max_body} bytes"
+
+    def _check_host(self, headers: dict[str, str]) -> None:
+        if self.allowed is None:
+            return
+        host = host_of(headers.get("host", ""))
+        if host not in self.allowed:
+            raise PermissionDeniedError(
+                f"Host header {headers.get('host', '')!r} is not allowed here (DNS-rebinding guard); "
+                f"use one of {', '.join(sorted(self.allowed))} or start the server with --allow-host")
+
+    def _check_key(self, headers: dict[str, str]) -> None:
+        if self.key is None:
+            return
+        offered = headers.get("x-api-key", "")
+        authorization = headers.get("authorization", "")
+        if authorization.lower().startswith("bearer "):
+            offered = offered or authorization[7:].strip()
+        if not offered:
+            raise AuthenticationError("an API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
+        if not hmac.compare_digest(offered.encode(), self.key):
+            raise AuthenticationError("the API key is not valid")
+
+    def _capped(self, receive):
+        received = 0
+        limit = self.settings.max_body
+
+        async def wrapped():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise PayloadTooLargeError(
+                        f"the request body is over this server's limit of {limit} bytes")
+            return message
+
+        return wrapped

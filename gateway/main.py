@@ -1,0 +1,80 @@
+"""``lmserve gateway``: the HTTP edge alone, connected to a worker over ZeroMQ."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+
+import uvicorn
+
+from gateway.app import GatewaySettings, create_app
+from gateway.edge import EdgeSettings
+from shared import settings as flags
+
+DEFAULT_WORKER = "tcp://127.0.0.1:5557"
+
+
+def add_gateway_flags(p) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="bind address")
+    p.add_argument("--port", type=int, default=8080, help="port")
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer K (or x-api-key: K)")
+    p.add_argument("--allow-host", action="append", default=[],
+                   help="extra Host header value to accept (repeatable); arms the Host guard on non-loopback binds")
+    p.add_argument("--conns", type=int, default=32, help="max concurrent connections")
+    p.add_argument("--max-body", type=int, default=32 * 1024 * 1024, help="max request body in bytes")
+    p.add_argument("--ping-interval", type=float, default=10.0,
+                   help="seconds of silence before an SSE keep-alive while a prompt is read")
+
+
+def build_parser():
+    p = flags.new_parser("lmserve gateway", "Serve the HTTP APIs; forward requests to a worker.")
+    flags.add_worker_endpoint_flag(p, DEFAULT_WORKER)
+    add_gateway_flags(p)
+    return p
+
+
+def settings_from(args) -> GatewaySettings:
+    allow = args.allow_host
+    if isinstance(allow, str):  # from the environment: comma-separated
+        allow = [h for h in allow.split(",") if h]
+    return GatewaySettings(
+        worker=args.worker, ping_interval=args.ping_interval,
+        edge=EdgeSettings(bind_host=args.host, api_key=args.api_key, allow_hosts=list(allow),
+                          conns=args.conns, max_body=args.max_body))
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket several gateway processes can share (SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if hasattr(socket, "SO_REUSEPORT"):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.conns < 1 or args.max_body < 1:
+        parser.error("--conns and --max-body must be positive")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app = create_app(settings_from(args))
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"lmserve gateway: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
+        return 2
+    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, lifespan="on")
+    server = uvicorn.Server(config)
+    logging.getLogger("lmserve.gateway").info("gateway on http://%s:%d (worker %s)", args.host, args.port, args.worker)
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

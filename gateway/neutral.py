@@ -1,0 +1,86 @@
+"""The neutral request and events every dialect translates to and from.
+
+A dialect module parses its wire JSON into a ``NeutralRequest`` and renders the ``Event``s of
+``gateway.generation`` back into its wire shape; nothing else passes between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.sampling_params import SamplingParams
+
+
+@dataclass
+class NeutralRequest:
+    dialect: str  # "chat" | "responses" | "anthropic"
+    model: str  # echoed back as the caller sent it
+    messages: list[dict[str, Any]]  # chat-template messages: role, content (str), tool_calls, …
+    max_tokens: int | None = None  # None: up to the context budget
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)  # {"type":"function","function":{…}}
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    reasoning: bool = False  # open the model's reasoning channel
+    prefill: str = ""  # text the reply must continue from (Anthropic final assistant turn)
+    stream: bool = False
+    cache_hint: str | None = None  # session id for cache affinity
+    extra: dict[str, Any] = field(default_factory=dict)  # dialect-specific echo values
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0  # all prompt tokens, cached included
+    cached_tokens: int = 0  # of which reused from the KV cache
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+@dataclass
+class TextDelta:
+    text: str
+
+
+@dataclass
+class ReasoningDelta:
+    text: str
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[tuple[str, float, list[int]]]
+
+
+@dataclass
+class LogprobsDelta:
+    items: list[TokenLogprob]
+
+
+@dataclass
+class Ping:
+    """Nothing new yet (a long prefill): keep the connection alive."""
+
+
+@dataclass
+class Started:
+    """The worker accepted the request; prompt size is known."""
+
+    prompt_tokens: int
+
+
+@dataclass
+class Finish:
+    # "stop" (end of turn), "length" (max_tokens), "stop_sequence", "tool_calls", "context"
+    # (the context budget ran out), "error"
+    reason: str
+    usage: Usage
+    stop_sequence: str | None = None
+    error: str | None = None
+
+
+Event = TextDelta | ReasoningDelta | LogprobsDelta | Ping | Started | Finish

@@ -1,0 +1,231 @@
+"""The whole contract between gateways and the worker.
+
+Transport: ZeroMQ. The worker binds a ROUTER; each gateway process connects a DEALER. A
+message is ``[type, body, *raw]``: a one-byte type frame, a msgpack body, and for GENERATE the
+prompt token ids as one raw little-endian int32 frame (prompts run to tens of thousands of
+ids; a raw frame costs no per-item encoding).
+
+Lifecycle of a request::
+
+    gateway                       worker
+    HELLO {version}          ->
+                             <-   MODEL_CARD {...}            (or REJECTED on a version mismatch)
+    GENERATE {id, ...}+ids   ->
+                             <-   ACCEPTED | BUSY | REJECTED
+                             <-   TOKENS {id, ids, logprobs}  (repeated)
+                             <-   FINISHED {id, reason, usage}
+    ABORT {id}               ->   (handled ahead of the queue; FINISHED reason "abort" follows)
+    HEARTBEAT                <->  both ways, every HEARTBEAT_INTERVAL seconds
+
+A worker ends the requests of a gateway it has not heard from for HEARTBEAT_TIMEOUT; a gateway
+fails the in-flight requests of a worker it has not heard from for as long.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+from shared.errors import InvalidRequestError
+from shared.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+HEARTBEAT_INTERVAL = 1.0  # seconds between heartbeats, both directions
+HEARTBEAT_TIMEOUT = 6.0  # silence after which the peer is presumed gone
+
+
+class MsgType(bytes, enum.Enum):
+    HELLO = b"H"
+    MODEL_CARD = b"C"
+    GENERATE = b"G"
+    ACCEPTED = b"A"
+    BUSY = b"B"
+    REJECTED = b"R"
+    TOKENS = b"T"
+    FINISHED = b"F"
+    ABORT = b"X"
+    HEARTBEAT = b"P"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token was produced (it is the last id sent)
+    LENGTH = "length"  # max_tokens reached
+    CONTEXT = "context"  # the per-request context budget is full
+    ABORT = "abort"  # ABORT received, or the gateway vanished
+    ERROR = "error"  # this stream failed; FINISHED.error says why
+
+
+class ProtocolError(Exception):
+    """A frame that does not parse as this protocol's message."""
+
+
+@dataclass
+class Message:
+    TYPE: ClassVar[MsgType]
+
+    def body(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], raw: list[bytes]) -> "Message":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in body.items() if k in names})
+
+    def frames(self) -> list[bytes]:
+        return [self.TYPE.value, msgpack.packb(self.body(), use_bin_type=True)]
+
+
+@dataclass
+class Hello(Message):
+    TYPE = MsgType.HELLO
+    version: int = PROTOCOL_VERSION
+    gateway: str = ""  # a readable name for logs (host:pid)
+
+
+@dataclass
+class ModelCard(Message):
+    TYPE = MsgType.MODEL_CARD
+    version: int
+    model_id: str
+    architecture: str
+    context_budget: int  # per-request tokens, prompt + completion (--ctx)
+    n_vocab: int
+    tokenizer: dict[str, Any]  # shared.tokenizer.Tokenizer.to_spec()
+    chat_template: str | None
+    fingerprint: str
+    instance: str = ""  # new on every worker start: a change means in-flight work is lost
+    capabilities: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Grammar:
+    kind: str  # "json_schema" | "regex" | "lark" | "llguidance"
+    source: str
+
+
+@dataclass
+class Generate(Message):
+    TYPE = MsgType.GENERATE
+    request_id: str
+    prompt: list[int]
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams.to_wire()
+    max_tokens: int = 256
+    stop_ids: list[int] | None = None  # None: the model's own end-of-turn tokens
+    grammar: dict[str, Any] | None = None  # Grammar as a dict
+    grammar_after_reasoning: bool = False
+    cartridge_ids: list[str] = field(default_factory=list)
+    cache_hint: str | None = None  # a session id for slot affinity
+
+    def body(self) -> dict[str, Any]:
+        data = asdict(self)
+        del data["prompt"]  # travels as a raw frame
+        return data
+
+    def frames(self) -> list[bytes]:
+        return super().frames() + [np.asarray(self.prompt, dtype="<i4").tobytes()]
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], raw: list[bytes]) -> "Generate":
+        if len(raw) != 1 or len(raw[0]) % 4:
+            raise ProtocolError("GENERATE needs exactly one int32 frame of prompt ids")
+        names = {f.name for f in fields(cls)} - {"prompt"}
+        prompt = np.frombuffer(raw[0], dtype="<i4").tolist()
+        return cls(prompt=prompt, **{k: v for k, v in body.items() if k in names})
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams.from_wire(self.sampling)
+
+
+@dataclass
+class Accepted(Message):
+    TYPE = MsgType.ACCEPTED
+    request_id: str
+    queue_position: int = 0
+
+
+@dataclass
+class Busy(Message):
+    TYPE = MsgType.BUSY
+    request_id: str
+    retry_after: float = 1.0
+    message: str = ""
+
+
+@dataclass
+class Rejected(Message):
+    TYPE = MsgType.REJECTED
+    request_id: str
+    status: int = 400
+    kind: str = "invalid_request_error"
+    message: str = ""
+
+
+@dataclass
+class Tokens(Message):
+    TYPE = MsgType.TOKENS
+    request_id: str
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[list[float]]] | None = None  # per token: [[id, logprob], ...]
+    cached_tokens: int | None = None  # on a stream's first TOKENS: prompt tokens reused from cache
+
+
+@dataclass
+class Finished(Message):
+    TYPE = MsgType.FINISHED
+    request_id: str
+    reason: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Abort(Message):
+    TYPE = MsgType.ABORT
+    request_id: str
+
+
+@dataclass
+class Heartbeat(Message):
+    TYPE = MsgType.HEARTBEAT
+    sent_at: float = 0.0
+    instance: str = ""  # the worker's ModelCard.instance (empty from gateways)
+    # the worker reports its load so gateways (and /health) can see it
+    waiting: int = 0
+    running: int = 0
+
+
+MESSAGE_CLASSES: dict[bytes, type[Message]] = {
+    cls.TYPE.value: cls
+    for cls in (Hello, ModelCard, Generate, Accepted, Busy, Rejected, Tokens, Finished, Abort, Heartbeat)
+}
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Parse ``[type, body, *raw]`` into its message; ProtocolError on anything else."""
+    if len(frames) < 2:
+        raise ProtocolError(f"a message needs a type frame and a body, got {len(frames)} frame(s)")
+    cls = MESSAGE_CLASSES.get(bytes(frames[0]))
+    if cls is None:
+        raise ProtocolError(f"unknown message type {bytes(frames[0])!r}")
+    try:
+        body = msgpack.unpackb(frames[1], raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"{cls.__name__} body is not valid msgpack: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{cls.__name__} body must be a map")
+    try:
+        return cls.from_body(body, [bytes(f) for f in frames[2:]])
+    except (TypeError, ValueError, InvalidRequestError) as exc:
+        raise ProtocolError(f"malformed {cls.__name__}: {exc}") from exc
+
+
+def version_mismatch_message(ours: int, theirs: int, side: str) -> str:
+    return (f"protocol version mismatch: this {side} speaks version {ours}, the peer speaks "
+            f"version {theirs}; run the same lmserve release on gateway and worker")

@@ -1,0 +1,51 @@
+"""How a request wants its tokens chosen. Crosses the gateway-worker wire as a plain dict."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from shared.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0  # divides positive logits of recent tokens (1 = off)
+    repetition_window: int = 64  # how many recent tokens (prompt included) it looks at
+    presence_penalty: float = 0.0  # OpenAI: subtract once per token already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtract per occurrence in the completion
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    top_logprobs: int = 0  # how many alternatives to report per token (0 = none)
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)
+
+    def to_wire(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["logit_bias"] = [[int(k), float(v)] for k, v in self.logit_bias.items()]
+        return data
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "SamplingParams":
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["logit_bias"] = {int(k): float(v) for k, v in values.get("logit_bias") or []}
+        return cls(**values)

@@ -1,0 +1,439 @@
+"""The model's tokenizer, built from GGUF metadata alone.
+
+Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) are built; the
+encoding itself runs in the ``tokenizers`` library. What a GGUF file says, and how we read it:
+
+- ``tokenizer.ggml.pre`` names the pre-tokenizer: a list of split regexes applied one after
+  another, each splitting the pieces the previous one left (matches and gaps both kept). The
+  regexes per name follow llama.cpp (``llama-vocab.cpp``), which is the reference we test
+  against. A missing name means ``default`` (with a warning, as llama.cpp does); a name we do
+  not know is an error, because a wrong split gives the model token ids it was never trained
+  on and the only symptom would be quietly worse text.
+- ``token_type`` 3 (control) and 2 (unknown) tokens are matched as whole strings only when
+  ``parse_special`` is on; type 4 (user-defined, e.g. Qwen's ``<think>``) is always matched,
+  since it is an ordinary word of the vocabulary that happens not to come from merges.
+- ``add_bos_token`` / ``add_eos_token`` decide what ``add_special`` adds; when absent the
+  pre-tokenizer's own default applies (llama3-style vocabularies add BOS).
+
+``to_spec()`` is a plain msgpack-friendly dict, so a gateway can rebuild the same tokenizer
+without the model file.
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import AddedToken, Regex, models, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+
+from shared.errors import TokenizerError
+
+log = logging.getLogger(__name__)
+
+SPEC_FORMAT = 1
+_SPEC_KEYS = ("model", "pre", "tokens", "merges", "token_types", "bos_id", "eos_id", "add_bos",
+              "add_eos")
+SUPPORTED_MODELS = ("gpt2",)
+
+TOKEN_NORMAL = 1
+TOKEN_UNKNOWN = 2
+TOKEN_CONTROL = 3
+TOKEN_USER_DEFINED = 4
+TOKEN_UNUSED = 5
+TOKEN_BYTE = 6
+
+# Token texts that end a turn in the families we serve. A vocabulary may carry them without
+# marking them control (a converter bug); like llama.cpp we then treat them as control anyway.
+END_OF_TURN_TEXTS = frozenset({
+    "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>",
+    "<|end_of_text|>", "<EOT>",
+})
+
+# --- pre-tokenizer split regexes (llama.cpp's, per pre type) -------------------------------
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# Contractions in any case, spelled out because the reference engine's regex has no (?i:).
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen 3.5 keeps combining marks inside words.
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclass(frozen=True)
+class PreTokenizerKind:
+    """One llama.cpp pre-tokenizer type: its splits and the BPE flags that go with it."""
+
+    splits: tuple[str, ...]
+    ignore_merges: bool = False  # a whole pre-token found in the vocabulary is taken as is
+    add_bos_default: bool = False
+
+
+PRE_KINDS: dict[str, PreTokenizerKind] = {
+    "default": PreTokenizerKind((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")),
+    "gpt2": PreTokenizerKind((_GPT2,)),
+    # starcoder group: every digit on its own, then the gpt2 split
+    "starcoder": PreTokenizerKind((r"\p{N}", _GPT2)),
+    "llama3": PreTokenizerKind((_LLAMA3,), ignore_merges=True, add_bos_default=True),
+    "qwen2": PreTokenizerKind((_QWEN2,)),
+    "qwen35": PreTokenizerKind((_QWEN35,)),
+}
+
+# tokenizer.ggml.pre value -> kind. Names as the GGUF converters write them.
+PRE_NAMES: dict[str, str] = {
+    "default": "default",
+    **dict.fromkeys(("gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4"), "gpt2"),
+    **dict.fromkeys(("starcoder", "smollm", "refact", "command-r", "codeshell", "exaone",
+                     "minerva-7b"), "starcoder"),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), "llama3"),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2"), "qwen2"),
+    "qwen35": "qwen35",
+}
+
+
+def byte_level_alphabet() -> tuple[str, ...]:
+    """GPT-2's byte-to-character table: entry b is the character standing for byte b.
+
+    Printable Latin-1 bytes stand for themselves; the rest (controls, space, soft hyphen...)
+    are moved to U+0100 onwards so that every token string is printable and space-free.
+    """
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) \
+        | set(range(ord("®"), ord("ÿ") + 1))
+    table: list[str] = []
+    shifted = 0
+    for byte in range(256):
+        if byte in printable:
+            table.append(chr(byte))
+        else:
+            table.append(chr(256 + shifted))
+            shifted += 1
+    return tuple(table)
+
+
+_CHAR_TO_LATIN1 = {ord(char): byte for byte, char in enumerate(byte_level_alphabet())}
+
+
+def _piece_bytes(piece: str) -> bytes:
+    """The bytes a byte-level token string stands for."""
+    try:
+        return piece.translate(_CHAR_TO_LATIN1).encode("latin-1")
+    except UnicodeEncodeError:
+        # A character outside the byte alphabet: the converter stored raw text; keep it.
+        return piece.encode("utf-8")
+
+
+def _get(meta: dict[str, Any], key: str, kind: type, required: bool = True) -> Any:
+    value = meta.get(key)
+    if value is None:
+        if required:
+            raise TokenizerError(f"GGUF metadata lacks {key!r}: cannot build the tokenizer")
+        return None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TokenizerError(f"GGUF metadata {key!r} should be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _optional_id(meta: dict[str, Any], key: str, vocab_size: int) -> int | None:
+    value = _get(meta, key, int, required=False)
+    if value is None:
+        return None
+    if not 0 <= value < vocab_size:
+        log.warning("ignoring %s = %d: outside the vocabulary of %d tokens", key, value, vocab_size)
+        return None
+    return value
+
+
+class Tokenizer:
+    """Byte-level BPE tokenizer: text <-> token ids, exactly as the model was trained to see them."""
+
+    def __init__(self, spec: dict[str, Any]):
+        """Build from a spec (see ``to_spec``); use ``from_gguf_metadata`` or ``from_spec``."""
+        self._spec = spec
+        self._tokens: list[str] = list(spec["tokens"])
+        self._types: bytes = bytes(spec["token_types"])
+        self._pre_name: str = spec["pre"]
+        self._kind = PRE_KINDS[PRE_NAMES[self._pre_name]]
+        self._bos_id: int | None = spec.get("bos_id")
+        self._eos_id: int | None = spec.get("eos_id")
+        self._add_bos: bool = bool(spec["add_bos"])
+        self._add_eos: bool = bool(spec["add_eos"])
+
+        self._piece_to_id = {piece: index for index, piece in enumerate(self._tokens)}
+        types = bytearray(self._types)
+        stop_ids = {i for i in (self._eos_id, spec.get("eot_id"), spec.get("eom_id")) if i is not None}
+        for text in END_OF_TURN_TEXTS:
+            index = self._piece_to_id.get(text)
+            if index is not None:
+                stop_ids.add(index)
+                types[index] = TOKEN_CONTROL
+        self._effective_types = bytes(types)
+        self._stop_ids = frozenset(stop_ids)
+        self._special_ids = frozenset(
+            i for i, t in enumerate(self._effective_types) if t in (TOKEN_CONTROL, TOKEN_UNKNOWN)
+        )
+        self._user_defined_ids = frozenset(
+            i for i, t in enumerate(self._effective_types) if t == TOKEN_USER_DEFINED
+        )
+        # Added tokens are raw text; everything else is a byte-level string.
+        self._bytes: list[bytes] = [
+            piece.encode("utf-8") if index in self._special_ids or index in self._user_defined_ids
+            else _piece_bytes(piece)
+            for index, piece in enumerate(self._tokens)
+        ]
+        self._with_special = self._build_backend(match_special=True)
+        self._plain: _HFTokenizer | None = None  # built on first parse_special=False call
+        self._plain_lock = threading.Lock()
+
+    # --- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
+        """Build from ``GGUFFile(path).metadata``. Raises TokenizerError naming what is wrong."""
+        model = meta.get("tokenizer.ggml.model")
+        if model not in SUPPORTED_MODELS:
+            raise TokenizerError(
+                f"tokenizer.ggml.model is {model!r}; lmserve builds only byte-level BPE vocabularies "
+                f"(supported: {', '.join(SUPPORTED_MODELS)})"
+            )
+        tokens = _get(meta, "tokenizer.ggml.tokens", list)
+        merges = _get(meta, "tokenizer.ggml.merges", list)
+        types = _get(meta, "tokenizer.ggml.token_type", list, required=False)
+        if types is None:
+            types = [TOKEN_NORMAL] * len(tokens)
+        if len(types) < len(tokens):
+            raise TokenizerError(
+                f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
+            )
+        pre = meta.get("tokenizer.ggml.pre") or ""
+        if not pre:
+            log.warning("GGUF has no tokenizer.ggml.pre; using the 'default' pre-tokenizer, "
+                        "which may not match how the model was trained")
+            pre = "default"
+        _check_pre(pre)
+        kind = PRE_KINDS[PRE_NAMES[pre]]
+        add_bos = meta.get("tokenizer.ggml.add_bos_token")
+        add_eos = meta.get("tokenizer.ggml.add_eos_token")
+        size = len(tokens)
+        try:
+            type_bytes = bytes(int(t) for t in types[:size])
+        except (TypeError, ValueError) as exc:
+            raise TokenizerError(f"tokenizer.ggml.token_type is malformed: {exc}") from exc
+        spec = {
+            "format": SPEC_FORMAT,
+            "model": model,
+            "pre": pre,
+            "tokens": tokens,
+            "merges": merges,
+            "token_types": type_bytes,
+            "bos_id": _optional_id(meta, "tokenizer.ggml.bos_token_id", size),
+            "eos_id": _optional_id(meta, "tokenizer.ggml.eos_token_id", size),
+            "eot_id": _optional_id(meta, "tokenizer.ggml.eot_token_id", size),
+            "eom_id": _optional_id(meta, "tokenizer.ggml.eom_token_id", size),
+            "add_bos": kind.add_bos_default if add_bos is None else bool(add_bos),
+            "add_eos": False if add_eos is None else bool(add_eos),
+        }
+        return cls.from_spec(spec)
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> Tokenizer:
+        """Rebuild from ``to_spec()`` output (e.g. received over the wire)."""
+        if not isinstance(spec, dict) or spec.get("format") != SPEC_FORMAT:
+            found = spec.get("format") if isinstance(spec, dict) else type(spec).__name__
+            raise TokenizerError(
+                f"tokenizer spec format {found!r} is not the supported format {SPEC_FORMAT}"
+            )
+        if spec.get("model") not in SUPPORTED_MODELS:
+            raise TokenizerError(
+                f"tokenizer spec model {spec.get('model')!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODELS)})"
+            )
+        missing = [key for key in _SPEC_KEYS if key not in spec]
+        if missing:
+            raise TokenizerError(f"tokenizer spec lacks {', '.join(missing)}")
+        _check_pre(spec.get("pre"))
+        size = len(spec["tokens"])
+        if len(spec["token_types"]) != size:
+            raise TokenizerError(f"tokenizer spec has {len(spec['token_types'])} token types "
+                                 f"for {size} tokens")
+        if spec.get("add_bos") and spec.get("bos_id") is None:
+            raise TokenizerError("the vocabulary asks for a BOS token but names none "
+                                 "(tokenizer.ggml.bos_token_id)")
+        if spec.get("add_eos") and spec.get("eos_id") is None:
+            raise TokenizerError("the vocabulary asks for an EOS token but names none "
+                                 "(tokenizer.ggml.eos_token_id)")
+        return cls(spec)
+
+    def to_spec(self) -> dict[str, Any]:
+        """Everything needed to rebuild this tokenizer, as msgpack-serialisable plain values."""
+        return dict(self._spec)
+
+    def _build_backend(self, match_special: bool) -> _HFTokenizer:
+        vocab = self._piece_to_id
+        merges = []
+        for line in self._spec["merges"]:
+            # Split at the first space after the first character, so a merge whose left part
+            # is itself a space (raw-text vocabularies) still parses.
+            cut = line.find(" ", 1)
+            if cut < 0:
+                raise TokenizerError(f"malformed BPE merge {line!r}: expected 'left right'")
+            merges.append((line[:cut], line[cut + 1:]))
+        try:
+            backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges,
+                                              ignore_merges=self._kind.ignore_merges))
+        except Exception as exc:  # the tokenizers library raises a bare Exception here
+            raise TokenizerError(f"the vocabulary's BPE merges are inconsistent: {exc}") from exc
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in self._kind.splits]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+        backend.add_special_tokens(
+            [AddedToken(self._tokens[i], special=True, normalized=False) for i in sorted(self._special_ids)]
+        )
+        backend.add_tokens(
+            [AddedToken(self._tokens[i], special=False, normalized=False)
+             for i in sorted(self._user_defined_ids)]
+        )
+        # When off, tokens added as "special" are not matched; user-defined ones still are.
+        backend.encode_special_tokens = not match_special
+        return backend
+
+    def _plain_backend(self) -> _HFTokenizer:
+        with self._plain_lock:
+            if self._plain is None:
+                self._plain = self._build_backend(match_special=False)
+            return self._plain
+
+    # --- encode / decode ------------------------------------------------------------------
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids for ``text``.
+
+        add_special: add BOS/EOS as the vocabulary's add_bos/add_eos flags say.
+        parse_special: control-token text such as ``<|im_start|>`` becomes its id; when off it
+        is tokenized as ordinary text (use this for user-supplied content).
+        """
+        backend = self._with_special if parse_special else self._plain_backend()
+        ids = backend.encode(text, add_special_tokens=False).ids if text else []
+        if add_special and self._add_bos:
+            ids.insert(0, self._bos_id)
+        if add_special and self._add_eos:
+            ids.append(self._eos_id)
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (added tokens: their text as UTF-8)."""
+        return self._bytes[token_id]
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text for ``ids``; bytes that are not valid UTF-8 become U+FFFD.
+
+        skip_special drops control tokens (``<|im_end|>``...) but keeps user-defined ones
+        such as ``<think>``, which are part of what the model says.
+        """
+        table = self._bytes
+        special = self._special_ids
+        data = b"".join(table[i] for i in ids if not (skip_special and i in special))
+        return data.decode("utf-8", errors="replace")
+
+    def incremental_decoder(self, skip_special: bool = False) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special)
+
+    # --- vocabulary facts -----------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._eos_id
+
+    @property
+    def add_bos(self) -> bool:
+        return self._add_bos
+
+    @property
+    def add_eos(self) -> bool:
+        return self._add_eos
+
+    @property
+    def pre(self) -> str:
+        return self._pre_name
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Ids that end a turn: EOS, EOT/EOM when named, and end-of-turn control tokens."""
+        return self._stop_ids
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Control (and unknown) tokens: matched only with parse_special, dropped by skip_special."""
+        return self._special_ids
+
+    @property
+    def user_defined_ids(self) -> frozenset[int]:
+        """User-defined added tokens (e.g. ``<think>``): always matched, always decoded."""
+        return self._user_defined_ids
+
+    def token_type(self, token_id: int) -> int:
+        """GGUF token type (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte)."""
+        return self._effective_types[token_id]
+
+    def id_to_piece(self, token_id: int) -> str:
+        """The vocabulary's string for an id (byte-level form for ordinary tokens)."""
+        return self._tokens[token_id]
+
+    def piece_to_id(self, piece: str) -> int | None:
+        """The id of a vocabulary string, or None (e.g. ``piece_to_id("<|im_end|>")``)."""
+        return self._piece_to_id.get(piece)
+
+
+class IncrementalDecoder:
+    """Turns a stream of ids into text, emitting only complete UTF-8 characters.
+
+    A multi-byte character split across tokens (emoji, CJK) is held back until its last byte
+    arrives; invalid bytes become U+FFFD once it is certain they cannot complete.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """Feed one id; return the text it completes (possibly empty)."""
+        if self._skip_special and token_id in self._tokenizer.special_ids:
+            return ""
+        return self._utf8.decode(self._tokenizer.token_bytes(token_id))
+
+    def push_many(self, ids: Iterable[int]) -> str:
+        return "".join(self.push(i) for i in ids)
+
+    def flush(self) -> str:
+        """End of stream: whatever is held back, with U+FFFD for an incomplete character."""
+        return self._utf8.decode(b"", final=True)
+
+    @property
+    def pending(self) -> bool:
+        """True while bytes of an unfinished character are held back."""
+        return bool(self._utf8.getstate()[0])
+
+
+def _check_pre(pre: object) -> None:
+    if pre not in PRE_NAMES:
+        raise TokenizerError(
+            f"tokenizer.ggml.pre is {pre!r}, a pre-tokenizer lmserve does not know "
+            f"(supported: {', '.join(sorted(PRE_NAMES))})"
+        )

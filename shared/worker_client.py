@@ -1,0 +1,225 @@
+"""The gateway's side of the wire: an asyncio client that hides ZeroMQ.
+
+One ``WorkerClient`` per gateway process. It connects a DEALER to the worker, says HELLO,
+keeps the MODEL_CARD, exchanges heartbeats, and routes each reply to the request it belongs
+to. ``generate`` yields TOKENS and then the FINISHED message; leaving the loop early (client
+gone, stop string seen) sends ABORT. When the worker goes silent or restarts, every request in
+flight fails with ``WorkerUnavailableError`` and the client says HELLO until a worker answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from shared.errors import (
+    BusyError,
+    InvalidRequestError,
+    LmserveError,
+    WorkerUnavailableError,
+)
+from shared.protocol import (
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_TIMEOUT,
+    PROTOCOL_VERSION,
+    Abort,
+    Accepted,
+    Busy,
+    Finished,
+    Generate,
+    Heartbeat,
+    Hello,
+    Message,
+    ModelCard,
+    ProtocolError,
+    Rejected,
+    Tokens,
+    decode,
+    version_mismatch_message,
+)
+
+log = logging.getLogger("lmserve.gateway")
+
+
+class ProtocolVersionError(LmserveError):
+    status = 503
+    kind = "protocol_version"
+
+
+class WorkerClient:
+    def __init__(self, endpoint: str, heartbeat_interval: float = HEARTBEAT_INTERVAL,
+                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT, name: str | None = None):
+        self.endpoint = endpoint
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self.card: ModelCard | None = None
+        self.version_error: str | None = None
+        self.worker_load = (0, 0)  # waiting, running, from the last heartbeat
+        self._ready = asyncio.Event()
+        self._pending: dict[str, asyncio.Queue[Message | LmserveError]] = {}
+        self._last_heard = 0.0
+        self._tasks: list[asyncio.Task] = []
+        self._context = zmq.asyncio.Context.instance()
+        self._socket: zmq.asyncio.Socket | None = None
+        self._counter = 0
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    async def start(self) -> None:
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.connect(self.endpoint)
+        self._socket = sock
+        self._tasks = [asyncio.create_task(self._read_loop(), name="worker-reader"),
+                       asyncio.create_task(self._beat_loop(), name="worker-heartbeat")]
+        await self._send(Hello(PROTOCOL_VERSION, self.name))
+
+    async def wait_ready(self, timeout: float | None = None) -> ModelCard:
+        await asyncio.wait_for(self._ready.wait(), timeout)
+        assert self.card is not None
+        return self.card
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._fail_all(WorkerUnavailableError("the gateway is shutting down"))
+        if self._socket is not None:
+            self._socket.close(0)
+            self._socket = None
+
+    def new_request_id(self) -> str:
+        self._counter += 1
+        return f"{self.name}-{self._counter}"
+
+    async def generate(self, request: Generate) -> AsyncIterator[Accepted | Tokens | Finished]:
+        """Send one request; raise BusyError / InvalidRequestError / WorkerUnavailableError
+        instead of ACCEPTED, else yield ACCEPTED, the TOKENS messages and finally FINISHED."""
+        if not self.ready:
+            raise WorkerUnavailableError(self.version_error or "the worker is not ready (still loading, or unreachable)")
+        rid = request.request_id
+        queue: asyncio.Queue[Message | LmserveError] = asyncio.Queue()
+        self._pending[rid] = queue
+        finished = False
+        try:
+            await self._send(request)
+            first = await queue.get()
+            if isinstance(first, LmserveError):
+                finished = True
+                raise first
+            if isinstance(first, Busy):
+                finished = True
+                error = BusyError(first.message or "the worker is busy; retry shortly")
+                error.retry_after = first.retry_after
+                raise error
+            if isinstance(first, Rejected):
+                finished = True
+                error = InvalidRequestError(first.message)
+                error.status, error.kind = first.status, first.kind
+                raise error
+            if not isinstance(first, Accepted):
+                finished = isinstance(first, Finished)
+                raise WorkerUnavailableError(f"unexpected {type(first).__name__} before ACCEPTED")
+            yield first
+            while True:
+                item = await queue.get()
+                if isinstance(item, LmserveError):
+                    finished = True
+                    raise item
+                if isinstance(item, Finished):
+                    finished = True
+                    yield item
+                    return
+                if isinstance(item, Tokens):
+                    yield item
+        finally:
+            # No await in here: this runs while the caller is being cancelled (client gone),
+            # and the ABORT must still go out, so it goes out on a task of its own.
+            self._pending.pop(rid, None)
+            if not finished and self._socket is not None:
+                task = asyncio.get_running_loop().create_task(self._send_quietly(Abort(rid)))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def _send_quietly(self, message: Message) -> None:
+        try:
+            await self._send(message)
+        except Exception:  # the socket may be closing; the worker's heartbeat timeout covers it
+            pass
+
+    async def _send(self, message: Message) -> None:
+        assert self._socket is not None, "start() the client first"
+        await self._socket.send_multipart(message.frames())
+
+    async def _read_loop(self) -> None:
+        assert self._socket is not None
+        while True:
+            frames = await self._socket.recv_multipart()
+            try:
+                message = decode(frames)
+            except ProtocolError as exc:
+                log.warning("dropping a malformed message from the worker: %s", exc)
+                continue
+            self._last_heard = time.monotonic()
+            if isinstance(message, ModelCard):
+                self._on_card(message)
+            elif isinstance(message, Heartbeat):
+                self.worker_load = (message.waiting, message.running)
+                if self.card is not None and message.instance and message.instance != self.card.instance:
+                    self._lost("the worker restarted; requests in flight were lost")
+            elif isinstance(message, Rejected) and message.kind == "protocol_version":
+                self.version_error = message.message
+                log.error("%s", message.message)
+            else:
+                queue = self._pending.get(getattr(message, "request_id", ""))
+                if queue is not None:
+                    queue.put_nowait(message)
+
+    def _on_card(self, card: ModelCard) -> None:
+        if card.version != PROTOCOL_VERSION:
+            self.version_error = version_mismatch_message(PROTOCOL_VERSION, card.version, "gateway")
+            log.error("%s", self.version_error)
+            return
+        if self.card is not None and card.instance != self.card.instance:
+            self._fail_all(WorkerUnavailableError("the worker restarted; requests in flight were lost"))
+        self.card = card
+        self.version_error = None
+        self._ready.set()
+
+    def _lost(self, reason: str) -> None:
+        if self._ready.is_set():
+            log.warning("%s", reason)
+        self._ready.clear()
+        self._fail_all(WorkerUnavailableError(reason))
+
+    def _fail_all(self, error: LmserveError) -> None:
+        for queue in self._pending.values():
+            queue.put_nowait(error)
+
+    async def _beat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            silent_for = time.monotonic() - self._last_heard
+            if self.ready and silent_for > self.heartbeat_timeout:
+                self._lost(f"the worker went silent ({silent_for:.1f} s without a heartbeat)")
+            if self.ready:
+                await self._send(Heartbeat(time.time()))
+            else:
+                await self._send(Hello(PROTOCOL_VERSION, self.name))

@@ -1,0 +1,236 @@
+"""Fixtures shared across the suite: the default model and real worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from shared.tokenizer import Tokenizer  # noqa: E402
+from worker.engine.gguf_file import GGUFFile  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    from shared.default_model import default_model_path
+    return default_model_path()
+
+
+class ChildProcess:
+    """A child process whose output goes to a log file; stopped with SIGTERM, then SIGKILL."""
+
+    args: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self):
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+        return self
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+
+
+class WorkerProcess(ChildProcess):
+    """A real ``lmserve worker`` child process on a loopback port."""
+
+    def __init__(self, model: Path | str, *flags: str, log_path: Path):
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.log_path = log_path
+        self.args = [sys.executable, "-m", "shared.cli", "worker", str(model), "--worker", self.endpoint, *flags]
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        from shared.worker_client import WorkerClient
+
+        async def probe() -> None:
+            client = WorkerClient(self.endpoint)
+            await client.start()
+            try:
+                await client.wait_ready(timeout)
+            finally:
+                await client.close()
+
+        try:
+            asyncio.run(probe())
+        except TimeoutError:
+            raise RuntimeError(f"worker did not get ready; log:\n{self.log_path.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def start_worker(tmp_path_factory) -> Iterator:
+    """Factory: start_worker(model, *flags) -> a ready WorkerProcess, stopped at session end."""
+    started: list[WorkerProcess] = []
+    logs = tmp_path_factory.mktemp("worker-logs")
+
+    def start(model, *flags: str) -> WorkerProcess:
+        worker = WorkerProcess(model, *flags, log_path=logs / f"worker-{len(started)}.log").start()
+        started.append(worker)
+        worker.wait_ready()
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+class GatewayProcess(ChildProcess):
+    """A real ``lmserve gateway`` (uvicorn) child process on a loopback port."""
+
+    def __init__(self, worker_endpoint: str, *flags: str, log_path: Path, host: str = "127.0.0.1"):
+        self.port = free_port()
+        self.host = host
+        self.log_path = log_path
+        self.args = [sys.executable, "-m", "shared.cli", "gateway", "--worker", worker_endpoint,
+                     "--host", host, "--port", str(self.port), *flags]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        import httpx
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited; log:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"gateway did not get ready; log:\n{self.log_path.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def start_gateway(tmp_path_factory) -> Iterator:
+    """Factory: start_gateway(worker, *flags) -> a ready GatewayProcess, stopped at session end."""
+    started: list[GatewayProcess] = []
+    logs = tmp_path_factory.mktemp("gateway-logs")
+
+    def start(worker: WorkerProcess, *flags: str, wait: bool = True) -> GatewayProcess:
+        gateway = GatewayProcess(worker.endpoint, *flags, log_path=logs / f"gateway-{len(started)}.log").start()
+        started.append(gateway)
+        if wait:
+            gateway.wait_ready()
+        return gateway
+
+    yield start
+    for gateway in started:
+        gateway.stop()
+
+
+@pytest.fixture(scope="session")
+def stack_worker(start_worker, default_model) -> WorkerProcess:
+    """The worker every HTTP test shares: the default model, batch 4."""
+    return start_worker(default_model, "--batch", "4", "--kv-slots", "4", "--queue", "8", "--ctx", "2048")
+
+
+@pytest.fixture(scope="session")
+def stack(start_gateway, stack_worker) -> GatewayProcess:
+    """A gateway in front of the shared worker, no API key."""
+    return start_gateway(stack_worker, "--ping-interval", "0.5")
+
+
+def run(coro):
+    """Run a coroutine to completion from a synchronous test."""
+    return asyncio.run(coro)
+
+
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+# --- vocabularies for the tokenizer and chat-template tests, each loaded once ---------------
+
+PARITY_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tokenizer_parity.json"
+
+
+# Cached below the fixtures so that two modules importing them still load each file once.
+@functools.cache
+def _smollm_metadata(path: Path) -> dict[str, Any]:
+    return GGUFFile(path).metadata
+
+
+@functools.cache
+def _smollm_tokenizer(path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(_smollm_metadata(path))
+
+
+@functools.cache
+def _qwen_tokenizer() -> Tokenizer:
+    from qwen_vocab import qwen_vocab_metadata
+
+    return Tokenizer.from_gguf_metadata(qwen_vocab_metadata())
+
+
+@pytest.fixture(scope="session")
+def smollm_metadata(default_model: Path) -> dict[str, Any]:
+    return _smollm_metadata(default_model)
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(default_model: Path) -> Tokenizer:
+    return _smollm_tokenizer(default_model)
+
+
+@pytest.fixture(scope="session")
+def qwen_metadata() -> dict[str, Any]:
+    from qwen_vocab import qwen_vocab_metadata
+
+    return qwen_vocab_metadata()  # cached in the module and on disk
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer() -> Tokenizer:
+    return _qwen_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def parity() -> dict[str, Any]:
+    return json.loads(PARITY_FIXTURE.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="session")
+def tokenizers(smollm_tokenizer: Tokenizer, qwen_tokenizer: Tokenizer) -> dict[str, Tokenizer]:
+    """By the fixture file's vocabulary names."""
+    return {"smollm2": smollm_tokenizer, "qwen3": qwen_tokenizer}
+
+
+os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -1,0 +1,101 @@
+"""Logits parity with an independent implementation (llama.cpp, through llama-cpp-python).
+
+The expected values are committed fixtures written by scripts/regen_logit_fixtures.py: the tiny
+models are rebuilt here from the same seeds; SmolLM2 is the real default model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_models import write_tiny_gguf
+
+from worker.engine.archs import load_model
+from worker.engine.gguf_file import GGUFFile
+from worker.engine.ops import log_softmax
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+def _fixture(name: str) -> dict:
+    data = np.load(FIXTURES / f"logits_{name}.npz")
+    return {key: data[key] for key in data.files} | {"meta": json.loads(str(data["meta"]))}
+
+
+def _compare(model, fixture: dict, chunks: list[int]) -> tuple[float, float]:
+    """Run the fixture's tokens in the given chunk sizes; return max |Δlogit| and max |Δlogprob|
+    over each position's reference top-20, after asserting the same top-1 everywhere."""
+    tokens = fixture["tokens"].tolist()
+    cache = model.new_cache(len(tokens) + 1)
+    logits, start = [], 0
+    for size in chunks:
+        logits.append(model.forward([(cache, tokens[start:start + size])], all_logits=True)[0])
+        start += size
+    assert start == len(tokens)
+    ours = np.concatenate(logits)
+    np.testing.assert_array_equal(ours.argmax(axis=-1), fixture["top1"])
+    top_ids, top_ref = fixture["top_ids"], fixture["top_logits"]
+    top_ours = np.take_along_axis(ours, top_ids, axis=-1)
+    our_logprobs = np.take_along_axis(log_softmax(ours.astype(np.float64)), top_ids, axis=-1)
+    ref_logprobs = top_ref - fixture["logsumexp"][:, None]
+    return float(np.abs(top_ours - top_ref).max()), float(np.abs(our_logprobs - ref_logprobs).max())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3moe"])
+def test_tiny_model_logits_match_llama_cpp(arch, tmp_path):
+    fixture = _fixture(f"{arch}_tiny")
+    rebuild = fixture["meta"]["model"]
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_gguf(path, rebuild.get("arch", arch), seed=rebuild.get("seed", 0), **rebuild.get("overrides", {}))
+    model = load_model(GGUFFile(path))
+    n = len(fixture["tokens"])
+    # all at once, then in uneven chunks through the KV cache: both must match
+    for chunks in ([n], [7, 1, 13, n - 21]):
+        max_logit, max_logprob = _compare(model, fixture, chunks)
+        assert max_logit < 1e-3, f"{arch}: max |Δlogit| {max_logit}"
+        assert max_logprob < 1e-3
+
+
+@pytest.fixture(scope="module")
+def smollm2(default_model):
+    return load_model(GGUFFile(default_model))
+
+
+def test_smollm2_logits_match_llama_cpp_on_the_dequantized_weights(smollm2):
+    fixture = _fixture("smollm2")
+    n = len(fixture["tokens"])
+    max_logit, max_logprob = _compare(smollm2, fixture, [n])
+    assert max_logit < 5e-3, f"max |Δlogit| {max_logit}"
+    assert max_logprob < 5e-3
+    _compare(smollm2, fixture, [16, n - 16])
+
+
+def test_smollm2_greedy_continuation_matches_llama_cpp(smollm2):
+    fixture = _fixture("smollm2")
+    prompt = fixture["tokens"].tolist()
+    expected = fixture["greedy_ids"].tolist()
+    cache = smollm2.new_cache(len(prompt) + len(expected) + 1)
+    logits = smollm2.forward([(cache, prompt)])[0]
+    produced = []
+    for _ in expected:
+        token = int(np.argmax(logits))
+        produced.append(token)
+        logits = smollm2.forward([(cache, [token])])[0]
+    assert produced == expected  # "The capital of France is Paris." then <|im_end|>
+
+
+def test_batched_forward_matches_one_at_a_time(smollm2):
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 49152, n).tolist() for n in (5, 17, 9)]
+    alone = []
+    for prompt in prompts:
+        cache = smollm2.new_cache(64)
+        alone.append(smollm2.forward([(cache, prompt)])[0])
+    caches = [smollm2.new_cache(64) for _ in prompts]
+    together = smollm2.forward(list(zip(caches, prompts)))
+    for a, b in zip(alone, together):
+        assert np.abs(a - b).max() < 1e-3
+        assert a.argmax() == b.argmax()

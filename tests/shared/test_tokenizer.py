@@ -1,0 +1,246 @@
+"""The tokenizer built from GGUF metadata, held to llama.cpp's ids (tests/fixtures/tokenizer_parity.json)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgpack
+import pytest
+
+from shared.errors import TokenizerError
+from shared.tokenizer import PRE_NAMES, TOKEN_CONTROL, TOKEN_USER_DEFINED, Tokenizer
+
+VOCABS = ("smollm2", "qwen3")
+
+
+def _with(meta: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """A copy of GGUF metadata with some tokenizer keys changed (None removes a key)."""
+    copy = dict(meta)
+    for short, value in changes.items():
+        key = "tokenizer.ggml." + short
+        if value is None:
+            copy.pop(key, None)
+        else:
+            copy[key] = value
+    return copy
+
+
+# --- parity with llama.cpp ----------------------------------------------------------------
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("mode", ["parse_special", "plain"])
+def test_encode_matches_llama_cpp(vocab, mode, parity, tokenizers):
+    tokenizer = tokenizers[vocab]
+    expected_all = parity["vocabularies"][vocab][mode]
+    assert len(expected_all) == len(parity["corpus"])
+    mismatches = []
+    for text, expected in zip(parity["corpus"], expected_all):
+        got = tokenizer.encode(text, add_special=False, parse_special=(mode == "parse_special"))
+        if got != expected:
+            mismatches.append(f"{text!r}\n  llama.cpp {expected}\n  lmserve   {got}")
+    assert not mismatches, "\n".join(mismatches)
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_add_special_matches_llama_cpp(vocab, parity, tokenizers):
+    for index, expected in parity["vocabularies"][vocab]["add_special"].items():
+        assert tokenizers[vocab].encode(parity["corpus"][int(index)], add_special=True) == expected
+
+
+def test_add_bos_token_true_matches_llama_cpp(parity, qwen_metadata):
+    tokenizer = Tokenizer.from_gguf_metadata(_with(qwen_metadata, add_bos_token=True))
+    for index, expected in parity["qwen3_add_bos_token_true"].items():
+        assert expected[0] == tokenizer.bos_id
+        assert tokenizer.encode(parity["corpus"][int(index)], add_special=True) == expected
+
+
+def test_fixture_exercises_both_modes(parity):
+    # If parse_special and plain never differed, the fixture could not catch a matcher bug.
+    for vocab in VOCABS:
+        entry = parity["vocabularies"][vocab]
+        assert entry["parse_special"] != entry["plain"]
+
+
+# --- decoding -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("parse_special", [True, False])
+def test_decode_round_trips_the_corpus(vocab, parse_special, parity, tokenizers):
+    tokenizer = tokenizers[vocab]
+    for text in parity["corpus"]:
+        assert tokenizer.decode(tokenizer.encode(text, parse_special=parse_special)) == text
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_incremental_decoder_holds_back_partial_characters(vocab, tokenizers):
+    tokenizer = tokenizers[vocab]
+    text = "Emoji 😀👩‍👩‍👧‍👦🇫🇷 and CJK 日本語のテキスト, 한국어 🤖!"
+    ids = tokenizer.encode(text)
+    decoder = tokenizer.incremental_decoder()
+    pieces = [decoder.push(i) for i in ids]
+    assert "".join(pieces) + decoder.flush() == text
+    assert not any("\ufffd" in piece for piece in pieces)
+    # Some emoji are split across tokens: at least one push must have waited for more bytes.
+    assert any(len(tokenizer.token_bytes(i).decode("utf-8", "ignore")) == 0 for i in ids)
+    assert "" in pieces
+
+
+def test_incremental_decoder_flushes_a_cut_character_as_replacement(smollm_tokenizer):
+    ids = smollm_tokenizer.encode("😀")
+    assert len(ids) > 1  # the emoji is several byte tokens
+    decoder = smollm_tokenizer.incremental_decoder()
+    assert decoder.push(ids[0]) == ""
+    assert decoder.pending
+    assert decoder.flush() == "\ufffd"
+
+
+def test_incremental_decoder_skip_special(qwen_tokenizer):
+    ids = qwen_tokenizer.encode("<think>hm</think>ok<|im_end|>")
+    decoder = qwen_tokenizer.incremental_decoder(skip_special=True)
+    assert decoder.push_many(ids) == "<think>hm</think>ok"
+
+
+def test_decode_skip_special_keeps_user_defined_tokens(qwen_tokenizer):
+    ids = qwen_tokenizer.encode("<|im_start|>assistant\n<think>x</think>y<|im_end|>")
+    assert qwen_tokenizer.decode(ids, skip_special=True) == "assistant\n<think>x</think>y"
+
+
+def test_token_bytes(smollm_tokenizer, qwen_tokenizer):
+    space_hello = smollm_tokenizer.encode(" hello", add_special=False)
+    assert len(space_hello) == 1 and smollm_tokenizer.token_bytes(space_hello[0]) == b" hello"
+    assert smollm_tokenizer.token_bytes(2) == b"<|im_end|>"
+    assert qwen_tokenizer.token_bytes(151667) == b"<think>"
+    emoji_ids = qwen_tokenizer.encode("😀😃")
+    assert b"".join(qwen_tokenizer.token_bytes(i) for i in emoji_ids) == "😀😃".encode()
+
+
+# --- special tokens and vocabulary facts -----------------------------------------------------
+
+def test_parse_special_controls_control_tokens(smollm_tokenizer):
+    assert smollm_tokenizer.encode("<|im_start|>", parse_special=True) == [1]
+    plain = smollm_tokenizer.encode("<|im_start|>", parse_special=False)
+    assert len(plain) > 1 and not set(plain) & smollm_tokenizer.special_ids
+
+
+def test_user_defined_tokens_match_even_without_parse_special(qwen_tokenizer):
+    # llama.cpp (and HF) always match user-defined added tokens; only control ones are gated.
+    assert qwen_tokenizer.token_type(151667) == TOKEN_USER_DEFINED
+    assert qwen_tokenizer.encode("<think>", parse_special=False) == [151667]
+    assert qwen_tokenizer.encode("<tool_call>", parse_special=False) == [151657]
+    assert 151645 not in qwen_tokenizer.encode("<|im_end|>", parse_special=False)
+
+
+def test_vocabulary_facts(smollm_tokenizer, qwen_tokenizer):
+    assert smollm_tokenizer.vocab_size == 49152
+    assert (smollm_tokenizer.bos_id, smollm_tokenizer.eos_id) == (1, 2)
+    assert smollm_tokenizer.stop_ids == {0, 2}  # <|endoftext|>, <|im_end|>
+    assert smollm_tokenizer.special_ids == set(range(17))
+    assert qwen_tokenizer.vocab_size == 151936
+    assert (qwen_tokenizer.bos_id, qwen_tokenizer.eos_id) == (151643, 151645)
+    assert qwen_tokenizer.stop_ids == {151643, 151645}
+    assert qwen_tokenizer.token_type(151644) == TOKEN_CONTROL
+    assert qwen_tokenizer.piece_to_id("<|im_end|>") == 151645
+    assert qwen_tokenizer.id_to_piece(151668) == "</think>"
+    assert qwen_tokenizer.piece_to_id("Hello") == 9707
+    assert qwen_tokenizer.id_to_piece(220) == "Ġ"  # byte-level form of a space
+    assert qwen_tokenizer.piece_to_id("no such piece") is None
+
+
+def test_end_of_turn_token_not_marked_control_becomes_control(smollm_metadata):
+    types = list(smollm_metadata["tokenizer.ggml.token_type"])
+    types[2] = 1  # <|im_end|> as a normal token: a converter bug llama.cpp also corrects
+    tokenizer = Tokenizer.from_gguf_metadata(_with(smollm_metadata, token_type=types))
+    assert 2 in tokenizer.stop_ids and 2 in tokenizer.special_ids
+    assert tokenizer.encode("<|im_end|>") == [2]
+
+
+def test_eot_id_joins_stop_ids(smollm_metadata):
+    tokenizer = Tokenizer.from_gguf_metadata(_with(smollm_metadata, eot_token_id=5))
+    assert 5 in tokenizer.stop_ids
+
+
+# --- BOS / EOS rules ------------------------------------------------------------------------
+
+def test_add_bos_and_eos_follow_the_flags(smollm_metadata):
+    tokenizer = Tokenizer.from_gguf_metadata(_with(smollm_metadata, add_bos_token=True,
+                                                   add_eos_token=True))
+    ids = tokenizer.encode("hi")
+    assert ids[0] == 1 and ids[-1] == 2 and len(ids) == 3
+    assert tokenizer.encode("hi", add_special=False) == ids[1:-1]
+    assert tokenizer.encode("", add_special=True) == [1, 2]
+
+
+def test_add_bos_defaults_per_pre_tokenizer(smollm_metadata):
+    # llama-bpe vocabularies add BOS unless the file says otherwise; gpt2-style ones do not.
+    llama3 = Tokenizer.from_gguf_metadata(_with(smollm_metadata, pre="llama-bpe", add_bos_token=None))
+    assert llama3.add_bos and llama3.encode("hi")[0] == 1
+    gpt2 = Tokenizer.from_gguf_metadata(_with(smollm_metadata, pre="gpt-2", add_bos_token=None))
+    assert not gpt2.add_bos
+
+
+# --- spec round trip ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_spec_round_trips_through_msgpack(vocab, parity, tokenizers):
+    tokenizer = tokenizers[vocab]
+    wire = msgpack.packb(tokenizer.to_spec(), use_bin_type=True)
+    assert len(wire) < 5_000_000  # ~3.4 MB for Qwen's 151k tokens and merges
+    rebuilt = Tokenizer.from_spec(msgpack.unpackb(wire, raw=False))
+    assert rebuilt.stop_ids == tokenizer.stop_ids and rebuilt.special_ids == tokenizer.special_ids
+    assert (rebuilt.bos_id, rebuilt.eos_id, rebuilt.add_bos) == \
+        (tokenizer.bos_id, tokenizer.eos_id, tokenizer.add_bos)
+    for text in parity["corpus"]:
+        for parse_special in (True, False):
+            assert rebuilt.encode(text, parse_special=parse_special) == \
+                tokenizer.encode(text, parse_special=parse_special)
+
+
+def test_spec_of_another_format_is_refused(smollm_tokenizer):
+    spec = dict(smollm_tokenizer.to_spec(), format=99)
+    with pytest.raises(TokenizerError, match="format 99"):
+        Tokenizer.from_spec(spec)
+
+
+# --- pre-tokenizers and errors ----------------------------------------------------------------
+
+@pytest.mark.parametrize("pre", sorted(PRE_NAMES))
+def test_every_known_pre_tokenizer_builds_and_round_trips(pre, smollm_metadata, parity):
+    tokenizer = Tokenizer.from_gguf_metadata(_with(smollm_metadata, pre=pre))
+    for text in parity["corpus"]:
+        assert tokenizer.decode(tokenizer.encode(text, add_special=False)) == text
+
+
+def test_unknown_tokenizer_model_is_a_clear_error(smollm_metadata):
+    with pytest.raises(TokenizerError) as info:
+        Tokenizer.from_gguf_metadata(_with(smollm_metadata, model="llama"))
+    assert "'llama'" in info.value.message and "gpt2" in info.value.message
+
+
+def test_unknown_pre_tokenizer_is_a_clear_error(smollm_metadata):
+    with pytest.raises(TokenizerError) as info:
+        Tokenizer.from_gguf_metadata(_with(smollm_metadata, pre="martian"))
+    assert "'martian'" in info.value.message and "qwen2" in info.value.message
+
+
+def test_missing_pre_tokenizer_falls_back_to_default_with_a_warning(smollm_metadata, caplog):
+    with caplog.at_level(logging.WARNING, logger="shared.tokenizer"):
+        tokenizer = Tokenizer.from_gguf_metadata(_with(smollm_metadata, pre=None))
+    assert tokenizer.pre == "default"
+    assert "tokenizer.ggml.pre" in caplog.text
+
+
+def test_missing_vocabulary_is_a_clear_error(smollm_metadata):
+    with pytest.raises(TokenizerError, match="tokenizer.ggml.merges"):
+        Tokenizer.from_gguf_metadata(_with(smollm_metadata, merges=None))
+
+
+def test_inconsistent_merges_are_a_clear_error(smollm_metadata):
+    with pytest.raises(TokenizerError, match="merges"):
+        Tokenizer.from_gguf_metadata(_with(smollm_metadata, merges=["notatoken Ġt"]))
+
+
+def test_add_bos_without_bos_id_is_refused(smollm_metadata):
+    meta = _with(smollm_metadata, add_bos_token=True, bos_token_id=None)
+    with pytest.raises(TokenizerError, match="BOS"):
+        Tokenizer.from_gguf_metadata(meta)

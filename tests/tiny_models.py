@@ -1,0 +1,279 @@
+"""Tiny synthetic GGUF models for engine tests, written from a fixed numpy seed.
+
+Architectures without small public weights are tested on files made here: a few layers of
+n_embd 64 with random weights, but with a real tokenizer in the metadata so that llama.cpp
+accepts the file and produces reference logits (``scripts/regen_logit_fixtures.py``).
+
+* ``llama``: GQA (4 query heads, 2 KV heads, head_dim 16), untied ``output.weight``.
+* ``qwen3``: head_dim 32 while n_embd / n_head is 16 (as in real Qwen3), per-head Q/K RMSNorm,
+  rope base 1e6, tied output (no ``output.weight``).
+* ``qwen3moe``: as qwen3 but every FFN is a mixture of 8 experts, 2 routed per token, expert
+  width 32; untied output.
+
+Matrices are F32 by default so llama.cpp computes in f32 and parity can be tight; the
+``tensor_type`` override writes F16 or Q8_0 matrices instead, for loader tests. The same
+arguments always give the same bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+from typing import Any
+
+import gguf
+import numpy as np
+
+ARCHS = ("llama", "qwen3", "qwen3moe")
+
+# Per-architecture defaults; every key may be overridden by keyword.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "n_layer": 2,
+        "n_embd": 64,
+        "n_head": 4,
+        "n_head_kv": 2,
+        "head_dim": 16,
+        "n_ff": 128,
+        "rope_base": 10000.0,
+        "rms_eps": 1e-5,
+        "context_length": 256,
+        "tied": False,
+        "vocab": "smollm2",
+    },
+    "qwen3": {
+        "n_layer": 3,
+        "n_embd": 64,
+        "n_head": 4,
+        "n_head_kv": 2,
+        "head_dim": 32,
+        "n_ff": 128,
+        "rope_base": 1e6,
+        "rms_eps": 1e-6,
+        "context_length": 256,
+        "tied": True,
+        "vocab": "qwen",
+    },
+    "qwen3moe": {
+        "n_layer": 2,
+        "n_embd": 64,
+        "n_head": 4,
+        "n_head_kv": 2,
+        "head_dim": 32,
+        # Real Qwen3-MoE files carry a dense feed_forward_length too; nothing uses it here.
+        "n_ff": 128,
+        "n_expert": 8,
+        "n_expert_used": 2,
+        "n_ff_exp": 32,
+        "rope_base": 1e6,
+        "rms_eps": 1e-6,
+        "context_length": 256,
+        "tied": False,
+        "vocab": "qwen",
+    },
+}
+
+_COMMON_OVERRIDES = {"tensor_type", "name"}
+
+_TENSOR_TYPES = {
+    "F32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+    "F16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "Q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _smollm2_vocab() -> dict[str, Any]:
+    # Opening the real GGUF costs ~3 s (the reader walks ~100k vocabulary strings), so its
+    # tokenizer keys are kept as JSON in the cache directory, keyed by the file's size and
+    # mtime, and a later process reads them in a few milliseconds.
+    from shared.default_model import cache_dir, default_model_path
+    from worker.engine.gguf_file import GGUFFile
+
+    source = default_model_path()
+    stat = source.stat()
+    cached = cache_dir() / "vocab" / f"{source.stem}-{stat.st_size}-{stat.st_mtime_ns}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text(encoding="utf-8"))
+    metadata = GGUFFile(source).metadata
+    vocab = {key: value for key, value in metadata.items() if key.startswith("tokenizer.")}
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_suffix(f".{os.getpid()}.partial")
+    partial.write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    os.replace(partial, cached)  # atomic, so a concurrent reader never sees half a file
+    return vocab
+
+
+@functools.lru_cache(maxsize=1)
+def _qwen_vocab() -> dict[str, Any]:
+    # The helper is a sibling file; import it the way this module itself was imported
+    # (as ``tests.tiny_models`` or, with tests/ on sys.path, as ``tiny_models``).
+    module_name = f"{__package__}.qwen_vocab" if __package__ else "qwen_vocab"
+    module = importlib.import_module(module_name)
+    return dict(module.qwen_vocab_metadata())
+
+
+def vocab_metadata(vocab: str) -> dict[str, Any]:
+    """The ``tokenizer.*`` keys of a real vocabulary: ``"smollm2"`` or ``"qwen"``."""
+    if vocab == "smollm2":
+        return _smollm2_vocab()
+    if vocab == "qwen":
+        return _qwen_vocab()
+    raise ValueError(f"unknown vocabulary {vocab!r}; expected 'smollm2' or 'qwen'")
+
+
+def _add_tokenizer_keys(writer: gguf.GGUFWriter, metadata: dict[str, Any]) -> None:
+    # Metadata arrives as plain Python values, so the GGUF value type is chosen from the
+    # Python type; these are the types llama.cpp's loader checks for the tokenizer keys
+    # (ids UINT32, flags BOOL, token_type INT32[], scores FLOAT32[], strings).
+    for key in sorted(metadata):
+        value = metadata[key]
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, (list, tuple)):
+            writer.add_array(key, list(value))
+        else:
+            raise TypeError(f"cannot write tokenizer key {key!r} of type {type(value).__name__}")
+
+
+def _resolve_hparams(arch: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    if arch not in _DEFAULTS:
+        raise ValueError(f"unknown architecture {arch!r}; expected one of {ARCHS}")
+    hparams = dict(_DEFAULTS[arch])
+    unknown = set(overrides) - set(hparams) - _COMMON_OVERRIDES
+    if unknown:
+        raise TypeError(f"unknown override(s) for {arch}: {sorted(unknown)}")
+    hparams.update({k: v for k, v in overrides.items() if k not in _COMMON_OVERRIDES})
+    tensor_type = overrides.get("tensor_type", "F32")
+    if tensor_type not in _TENSOR_TYPES:
+        raise ValueError(f"tensor_type must be one of {sorted(_TENSOR_TYPES)}, got {tensor_type!r}")
+    hparams["tensor_type"] = tensor_type
+    if hparams["n_head"] % hparams["n_head_kv"]:
+        raise ValueError("n_head must be a multiple of n_head_kv")
+    return hparams
+
+
+class _TensorSink:
+    """Collects tensors in writing order, encoding matrices in the requested type."""
+
+    def __init__(self, writer: gguf.GGUFWriter, tensor_type: str):
+        self._writer = writer
+        self._qtype = _TENSOR_TYPES[tensor_type][0]
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def add(self, name: str, array: np.ndarray, keep_f32: bool = False) -> None:
+        self.shapes[name] = tuple(int(d) for d in array.shape)
+        # Norm vectors stay F32 in every real quantized file (and llama.cpp requires it);
+        # callers also keep the MoE router F32, as llama-quantize does.
+        if keep_f32 or array.ndim < 2 or self._qtype == gguf.GGMLQuantizationType.F32:
+            self._writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        elif self._qtype == gguf.GGMLQuantizationType.F16:
+            self._writer.add_tensor(name, array.astype(np.float16))
+        else:
+            encoded = gguf.quants.quantize(array, self._qtype)
+            self._writer.add_tensor(name, encoded, raw_dtype=self._qtype)
+
+
+def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrides: Any) -> dict:
+    """Write a tiny random-weight GGUF of ``arch`` to ``path`` and describe it.
+
+    Overrides: any hyperparameter key of the returned dict (``n_layer``, ``n_embd``,
+    ``n_head``, ``n_head_kv``, ``head_dim``, ``n_ff``, ``n_expert``, ``n_expert_used``,
+    ``n_ff_exp``, ``rope_base``, ``rms_eps``, ``context_length``, ``tied``, ``vocab``), plus
+    ``tensor_type`` ("F32", "F16", "Q8_0") and ``name``.
+    """
+    hp = _resolve_hparams(arch, overrides)
+    vocab = vocab_metadata(hp["vocab"])
+    n_vocab = len(vocab["tokenizer.ggml.tokens"])
+    n_embd, n_head, n_head_kv, head_dim = hp["n_embd"], hp["n_head"], hp["n_head_kv"], hp["head_dim"]
+    n_q, n_kv = n_head * head_dim, n_head_kv * head_dim
+    is_moe = arch == "qwen3moe"
+    has_qk_norm = arch in ("qwen3", "qwen3moe")
+    name = overrides.get("name", f"tiny-{arch}-seed{seed}")
+
+    writer = gguf.GGUFWriter(os.fspath(path), arch)
+    writer.add_name(name)
+    writer.add_file_type(int(_TENSOR_TYPES[hp["tensor_type"]][1]))
+    writer.add_block_count(hp["n_layer"])
+    writer.add_context_length(hp["context_length"])
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(hp["n_ff"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(hp["rope_base"]))
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(float(hp["rms_eps"]))
+    if is_moe:
+        writer.add_expert_count(hp["n_expert"])
+        writer.add_expert_used_count(hp["n_expert_used"])
+        writer.add_expert_feed_forward_length(hp["n_ff_exp"])
+    _add_tokenizer_keys(writer, vocab)
+
+    rng = np.random.default_rng(seed)
+
+    def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    def norm_weight(size: int) -> np.ndarray:
+        # Near 1 so activations keep unit scale, but not exactly 1 so a missing or
+        # misapplied norm changes the logits.
+        return np.float32(1.0) + normal((size,), 0.1)
+
+    def proj(n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
+        # std gain/sqrt(n_in) keeps a unit-variance input at unit variance; residual
+        # branches use gain 0.5 so the token embedding is not washed out after a few layers.
+        return normal((n_out, n_in), gain / np.sqrt(n_in))
+
+    sink = _TensorSink(writer, hp["tensor_type"])
+    # Embedding std 0.3: with a unit-RMS final hidden state, tied logits get std ~2.4, peaked
+    # enough for a clear top-1 but far from one-hot.
+    sink.add("token_embd.weight", normal((n_vocab, n_embd), 0.3))
+    for layer in range(hp["n_layer"]):
+        blk = f"blk.{layer}"
+        sink.add(f"{blk}.attn_norm.weight", norm_weight(n_embd))
+        sink.add(f"{blk}.attn_q.weight", proj(n_q, n_embd))
+        sink.add(f"{blk}.attn_k.weight", proj(n_kv, n_embd))
+        sink.add(f"{blk}.attn_v.weight", proj(n_kv, n_embd))
+        if has_qk_norm:
+            sink.add(f"{blk}.attn_q_norm.weight", norm_weight(head_dim))
+            sink.add(f"{blk}.attn_k_norm.weight", norm_weight(head_dim))
+        sink.add(f"{blk}.attn_output.weight", proj(n_embd, n_q, gain=0.5))
+        sink.add(f"{blk}.ffn_norm.weight", norm_weight(n_embd))
+        if is_moe:
+            n_expert, n_ff_exp = hp["n_expert"], hp["n_ff_exp"]
+            sink.add(f"{blk}.ffn_gate_inp.weight", proj(n_expert, n_embd), keep_f32=True)
+            sink.add(f"{blk}.ffn_gate_exps.weight",
+                     normal((n_expert, n_ff_exp, n_embd), 1.0 / np.sqrt(n_embd)))
+            sink.add(f"{blk}.ffn_up_exps.weight",
+                     normal((n_expert, n_ff_exp, n_embd), 1.0 / np.sqrt(n_embd)))
+            sink.add(f"{blk}.ffn_down_exps.weight",
+                     normal((n_expert, n_embd, n_ff_exp), 0.5 / np.sqrt(n_ff_exp)))
+        else:
+            sink.add(f"{blk}.ffn_gate.weight", proj(hp["n_ff"], n_embd))
+            sink.add(f"{blk}.ffn_up.weight", proj(hp["n_ff"], n_embd))
+            sink.add(f"{blk}.ffn_down.weight", proj(n_embd, hp["n_ff"], gain=0.5))
+    sink.add("output_norm.weight", norm_weight(n_embd))
+    if not hp["tied"]:
+        sink.add("output.weight", normal((n_vocab, n_embd), 0.3))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    info: dict[str, Any] = {"arch": arch, "seed": seed, "name": name, "path": os.fspath(path),
+                            "n_vocab": n_vocab, **hp, "tensor_shapes": sink.shapes}
+    if not is_moe:
+        for key in ("n_expert", "n_expert_used", "n_ff_exp"):
+            info.setdefault(key, 0)
+    return info

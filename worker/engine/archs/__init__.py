@@ -1,0 +1,26 @@
+"""Architecture registry: ``general.architecture`` -> the class that serves it."""
+
+from __future__ import annotations
+
+from shared.errors import ModelLoadError
+from worker.engine.archs.llama import LlamaModel
+from worker.engine.archs.qwen3 import Qwen3Model
+from worker.engine.archs.qwen3moe import Qwen3MoeModel
+from worker.engine.gguf_file import GGUFFile
+from worker.engine.model import DecoderModel
+
+ARCHITECTURES: dict[str, type[DecoderModel]] = {
+    "llama": LlamaModel,
+    "qwen3": Qwen3Model,
+    "qwen3moe": Qwen3MoeModel,
+}
+
+
+def load_model(gguf: GGUFFile) -> DecoderModel:
+    arch = gguf.architecture
+    model_class = ARCHITECTURES.get(arch)
+    if model_class is None:
+        raise ModelLoadError(
+            f"{gguf.path}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    return model_class(gguf)

@@ -1,0 +1,42 @@
+"""llama (SmolLM2, Llama 2/3 and their fine-tunes).
+
+- pre-norm blocks: RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual
+- grouped-query attention, RoPE over the whole head (GGUF stores Q/K rows permuted for
+  adjacent-pair rotation; we permute them back at load and rotate halves)
+- optional Q/K/V biases, optional per-pair RoPE factors (Llama 3), tied or untied head
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shared.errors import ModelLoadError
+from worker.engine import ops
+from worker.engine.gguf_file import GGUFFile
+from worker.engine.model import DecoderModel, ForwardPass, HParams
+
+
+class LlamaModel(DecoderModel):
+    architecture = "llama"
+
+    def read_hparams(self, gguf: GGUFFile) -> HParams:
+        hp = super().read_hparams(gguf)
+        if hp.rope_dims != hp.head_dim:
+            raise ModelLoadError(
+                f"{gguf.path}: llama expects rope.dimension_count == head dim ({hp.rope_dims} != {hp.head_dim})")
+        if hp.n_expert:
+            raise ModelLoadError(f"{gguf.path}: llama mixture-of-experts files are not supported")
+        return hp
+
+    def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, np.ndarray]:
+        return {
+            "attn_norm": self.load_norm(gguf, f"blk.{i}.attn_norm.weight"),
+            **self.load_qkv(gguf, i, adjacent_pair_rope=True),
+            "ffn_norm": self.load_norm(gguf, f"blk.{i}.ffn_norm.weight"),
+            **self.load_swiglu(gguf, i),
+        }
+
+    def block(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
+        layer, eps = self.layers[i], self.hp.rms_eps
+        x = x + self.self_attention(i, ops.rms_norm(x, layer["attn_norm"], eps), fp)
+        return x + ops.swiglu(ops.rms_norm(x, layer["ffn_norm"], eps), layer["gate_up"], layer["down"])

@@ -1,0 +1,217 @@
+"""Open a GGUF file: its metadata as plain Python values and its tensors as float32 arrays.
+
+The header (metadata and tensor table) is read here with ``struct``: the ``gguf`` package's
+reader builds numpy views for every string of a vocabulary, which takes over ten seconds for a
+150k-token one, where a plain scan takes a fraction of a second. Tensor types, their block
+sizes and every dequantization come from the ``gguf`` package.
+
+Everything that can go wrong with a file (missing, truncated, not GGUF, a tensor type the
+``gguf`` package cannot decode, a tensor of the wrong shape) surfaces here as a
+``ModelLoadError`` naming the file and the culprit, never as a numpy traceback later.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
+
+from shared.errors import ModelLoadError
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+
+# Types read directly as numpy dtypes (no block quantization).
+_PLAIN_TYPES = {
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64,
+    GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}
+
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+
+
+def _decodable_types() -> set[GGMLQuantizationType]:
+    """Block-quantized types the installed ``gguf`` package has a numpy dequantizer for."""
+    return {q for q in GGMLQuantizationType
+            if q not in _PLAIN_TYPES and isinstance(getattr(quants, q.name, None), type)}
+
+
+DECODABLE_TYPES = _decodable_types() | set(_PLAIN_TYPES)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy order: outermost first, e.g. (n_out, n_in) for a weight
+    type_id: int
+    offset: int  # from the start of the data section
+
+    @property
+    def type_name(self) -> str:
+        try:
+            return GGMLQuantizationType(self.type_id).name
+        except ValueError:
+            return f"type id {self.type_id}"
+
+    @property
+    def n_bytes(self) -> int:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(self.type_id)]
+        return int(np.prod(self.shape, dtype=np.int64)) // block * size
+
+
+class _Header:
+    """A cursor over the header bytes; every read is bounds-checked by ``struct``."""
+
+    def __init__(self, data: mmap.mmap):
+        self.data = data
+        self.pos = 0
+
+    def scalar(self, fmt: str) -> Any:
+        value = struct.unpack_from(fmt, self.data, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        length = self.scalar("<Q")
+        if self.pos + length > len(self.data):
+            raise struct.error("string runs past the end of the file")
+        raw = self.data[self.pos:self.pos + length]
+        self.pos += length
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, type_id: int) -> Any:
+        kind = GGUFValueType(type_id)
+        if kind == GGUFValueType.STRING:
+            return self.string()
+        if kind == GGUFValueType.ARRAY:
+            item_kind = GGUFValueType(self.scalar("<I"))
+            count = self.scalar("<Q")
+            if item_kind in _SCALAR_FORMATS:
+                fmt = _SCALAR_FORMATS[item_kind]
+                size = struct.calcsize(fmt) * count
+                if self.pos + size > len(self.data):
+                    raise struct.error("array runs past the end of the file")
+                items = np.frombuffer(self.data, dtype=np.dtype(fmt), count=count, offset=self.pos).tolist()
+                self.pos += size
+                return items
+            return [self.value(item_kind) for _ in range(count)]
+        return self.scalar(_SCALAR_FORMATS[kind])
+
+
+class GGUFFile:
+    """A GGUF model file opened for reading. Tensors are dequantized on request."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise ModelLoadError(f"model file not found: {self.path}")
+        size = os.path.getsize(self.path)
+        with open(self.path, "rb") as fh:
+            if fh.read(4) != GGUF_MAGIC:
+                raise ModelLoadError(f"{self.path} is not a GGUF file (it does not start with b'GGUF')")
+            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self.metadata, self._tensors, self._data_start = self._read_header()
+        except (struct.error, ValueError, UnicodeDecodeError, OverflowError, MemoryError) as exc:
+            raise ModelLoadError(f"{self.path} is truncated or corrupt: its header could not be read ({exc})") from exc
+        for info in self._tensors.values():
+            if info.type_id not in GGMLQuantizationType._value2member_map_:
+                continue  # reported when the tensor is asked for
+            end = self._data_start + info.offset + info.n_bytes
+            if end > size:
+                raise ModelLoadError(
+                    f"{self.path} is truncated: tensor {info.name!r} needs bytes up to {end} but the file has {size}")
+
+    def _read_header(self) -> tuple[dict[str, Any], dict[str, TensorInfo], int]:
+        header = _Header(self._map)
+        header.pos = 4
+        version = header.scalar("<I")
+        if version not in SUPPORTED_VERSIONS:
+            raise ValueError(f"GGUF version {version} (supported: {', '.join(map(str, SUPPORTED_VERSIONS))})")
+        n_tensors = header.scalar("<Q")
+        n_kv = header.scalar("<Q")
+        metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = header.string()
+            metadata[key] = header.value(header.scalar("<I"))
+        tensors: dict[str, TensorInfo] = {}
+        for _ in range(n_tensors):
+            name = header.string()
+            n_dims = header.scalar("<I")
+            if n_dims > 8:
+                raise ValueError(f"tensor {name!r} claims {n_dims} dimensions")
+            dims = [header.scalar("<Q") for _ in range(n_dims)]
+            type_id = header.scalar("<I")
+            offset = header.scalar("<Q")
+            # GGUF lists dims innermost first; numpy wants outermost first
+            tensors[name] = TensorInfo(name, tuple(reversed(dims)), type_id, offset)
+        alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"general.alignment {alignment} is not a power of two")
+        data_start = -(-header.pos // alignment) * alignment
+        return metadata, tensors, data_start
+
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelLoadError(f"{self.path} has no general.architecture key")
+        return arch
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor_info(self, name: str) -> TensorInfo:
+        info = self._tensors.get(name)
+        if info is None:
+            raise ModelLoadError(f"{self.path} lacks tensor {name!r} required by {self.architecture}")
+        return info
+
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """The named tensor as a C-contiguous float32 array (numpy order, outermost first)."""
+        info = self.tensor_info(name)
+        known = info.type_id in GGMLQuantizationType._value2member_map_
+        if not known or GGMLQuantizationType(info.type_id) not in DECODABLE_TYPES:
+            raise ModelLoadError(
+                f"tensor {name!r} in {self.path} has type {info.type_name}, which lmserve cannot "
+                f"dequantize (supported: {', '.join(sorted(t.name for t in DECODABLE_TYPES))})")
+        qtype = GGMLQuantizationType(info.type_id)
+        if shape is not None and info.shape != tuple(shape):
+            raise ModelLoadError(f"tensor {name!r} in {self.path} has shape {info.shape}, expected {tuple(shape)}")
+        start = self._data_start + info.offset
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=info.n_bytes, offset=start)
+        try:
+            if qtype in _PLAIN_TYPES:
+                array = raw.view(_PLAIN_TYPES[qtype]).reshape(info.shape).astype(np.float32)
+            else:
+                block, type_size = GGML_QUANT_SIZES[qtype]
+                rows = raw.reshape(*info.shape[:-1], info.shape[-1] // block * type_size)
+                array = quants.dequantize(rows, qtype).reshape(info.shape)
+            array = np.ascontiguousarray(array, dtype=np.float32)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"tensor {name!r} ({qtype.name}, shape {info.shape}) in {self.path} could not be decoded: {exc}"
+            ) from exc
+        if not np.all(np.isfinite(array)):
+            raise ModelLoadError(f"tensor {name!r} in {self.path} holds NaN or infinite values")
+        return array

@@ -1,0 +1,82 @@
+"""Per-sequence KV cache: keys and values of every layer for the tokens seen so far.
+
+Storage grows in whole blocks as a sequence gets longer, so a short chat does not pay for a
+full context, and ``truncate`` keeps a shared prefix for reuse by the next request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+GROWTH_BLOCK = 256  # tokens added per growth step
+
+
+class KVCache:
+    """keys[l], values[l]: [K, capacity, d] float32; the first ``length`` positions are valid."""
+
+    def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, max_tokens: int,
+                 value_dim: int | None = None):
+        self.n_layer = n_layer
+        self.n_kv_head = n_kv_head
+        self.head_dim = head_dim
+        self.value_dim = value_dim or head_dim
+        self.max_tokens = max_tokens
+        self.length = 0
+        self.tokens: list[int] = []  # the token ids whose keys/values are held
+        self.capacity = 0
+        self.keys: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+
+    def _grow(self, needed: int) -> None:
+        if needed > self.max_tokens:
+            raise ValueError(f"KV cache holds at most {self.max_tokens} tokens, {needed} needed")
+        new_capacity = min(self.max_tokens, -(-needed // GROWTH_BLOCK) * GROWTH_BLOCK)
+        for layer in range(self.n_layer):
+            k = np.empty((self.n_kv_head, new_capacity, self.head_dim), dtype=np.float32)
+            v = np.empty((self.n_kv_head, new_capacity, self.value_dim), dtype=np.float32)
+            if self.capacity:
+                k[:, :self.length] = self.keys[layer][:, :self.length]
+                v[:, :self.length] = self.values[layer][:, :self.length]
+                self.keys[layer], self.values[layer] = k, v
+            else:
+                self.keys.append(k)
+                self.values.append(v)
+        self.capacity = new_capacity
+
+    def reserve(self, n_new: int) -> None:
+        """Make room for n_new more tokens before a forward pass writes them."""
+        if self.length + n_new > self.capacity:
+            self._grow(self.length + n_new)
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store this step's k/v [T, K, d] after the valid prefix; return all keys/values [K, L, d].
+
+        ``length`` moves only in ``commit`` so every layer writes at the same offset.
+        """
+        start, end = self.length, self.length + k.shape[0]
+        self.keys[layer][:, start:end] = k.transpose(1, 0, 2)
+        self.values[layer][:, start:end] = v.transpose(1, 0, 2)
+        return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+    def commit(self, token_ids: list[int]) -> None:
+        self.length += len(token_ids)
+        self.tokens.extend(int(t) for t in token_ids)
+
+    def truncate(self, length: int) -> None:
+        """Forget everything after the first ``length`` tokens (they stay valid)."""
+        self.length = min(self.length, length)
+        del self.tokens[self.length:]
+
+    def common_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens of token_ids this cache already holds."""
+        limit = min(len(self.tokens), len(token_ids))
+        if limit == 0:
+            return 0
+        held = np.asarray(self.tokens[:limit])
+        wanted = np.asarray(token_ids[:limit])
+        mismatch = np.nonzero(held != wanted)[0]
+        return int(mismatch[0]) if mismatch.size else limit
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))

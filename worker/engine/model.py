@@ -1,0 +1,273 @@
+"""The decoder-only transformer every architecture file fills in.
+
+An architecture subclass declares what it reads (hyperparameters), what it loads (tensors by
+their GGUF names) and its block (``block``); this base class owns what all of them share: the
+embedding, the output head, the forward pass over a batch of sequences and its KV caches, and
+the attention step with RoPE.
+
+One ``forward`` call runs one weight pass for several sequences at once: the new tokens of all
+of them are stacked into one [T, D] matrix for every projection, and only attention, which
+reads each sequence's own cache, is done per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+import numpy as np
+
+from shared.errors import ModelLoadError
+from worker.engine import ops
+from worker.engine.gguf_file import GGUFFile
+from worker.engine.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class HParams:
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    value_dim: int
+    n_ff: int
+    context_length: int
+    rope_base: float
+    rope_dims: int
+    rope_freq_scale: float
+    rms_eps: float
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_expert: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def read_hparams(gguf: GGUFFile, arch: str) -> HParams:
+    """The hyperparameters every family shares, with llama.cpp's defaults where a key is absent."""
+    meta = gguf.metadata
+
+    def get(key: str, default: Any = None, required: bool = False) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None and required:
+            raise ModelLoadError(f"{gguf.path} lacks the required key {arch}.{key}")
+        return value
+
+    def scalar(value: Any) -> Any:
+        # per-layer arrays are allowed by the format; these families use one value for all layers
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise ModelLoadError(f"{gguf.path}: per-layer values {value[:8]}… are not supported")
+            return value[0]
+        return value
+
+    n_embd = int(get("embedding_length", required=True))
+    n_head = int(scalar(get("attention.head_count", required=True)))
+    n_head_kv = int(scalar(get("attention.head_count_kv", n_head)))
+    head_dim = int(get("attention.key_length", n_embd // n_head))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    n_vocab = int(get("vocab_size", len(tokens) if tokens else 0))
+    if n_head % n_head_kv:
+        raise ModelLoadError(f"{gguf.path}: {n_head} query heads do not split into {n_head_kv} KV heads")
+    scaling_factor = float(get("rope.scaling.factor", 0.0) or 0.0)
+    return HParams(
+        n_vocab=n_vocab,
+        n_embd=n_embd,
+        n_layer=int(get("block_count", required=True)),
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        value_dim=int(get("attention.value_length", head_dim)),
+        n_ff=int(scalar(get("feed_forward_length", 0))),
+        context_length=int(get("context_length", 4096)),
+        rope_base=float(get("rope.freq_base", 10000.0)),
+        rope_dims=int(get("rope.dimension_count", head_dim)),
+        rope_freq_scale=1.0 / scaling_factor if scaling_factor else 1.0,
+        rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        n_expert=int(get("expert_count", 0) or 0),
+        n_expert_used=int(get("expert_used_count", 0) or 0),
+        n_ff_expert=int(get("expert_feed_forward_length", 0) or 0),
+    )
+
+
+@dataclass
+class ForwardPass:
+    """Per-call state the blocks need: where each sequence's rows are and their positions."""
+
+    caches: list[KVCache]
+    spans: list[tuple[int, int]]  # row range of each sequence in the stacked [T, D] input
+    cos: np.ndarray  # [T, rope_dims/2] for every stacked row
+    sin: np.ndarray
+
+
+class DecoderModel:
+    """Base of every architecture: subclasses set ``architecture`` and fill in the hooks."""
+
+    architecture: ClassVar[str]
+
+    def __init__(self, gguf: GGUFFile):
+        self.path = gguf.path
+        self.hp = self.read_hparams(gguf)
+        self.layers: list[dict[str, np.ndarray]] = []
+        self.token_embd = gguf.tensor("token_embd.weight")
+        if self.token_embd.shape[1] != self.hp.n_embd:
+            raise ModelLoadError(
+                f"{gguf.path}: token_embd.weight is {self.token_embd.shape}, expected (*, {self.hp.n_embd})"
+            )
+        if self.hp.n_vocab != self.token_embd.shape[0]:
+            self.hp = replace(self.hp, n_vocab=self.token_embd.shape[0])
+        self.output_norm = gguf.tensor("output_norm.weight", (self.hp.n_embd,))
+        # Small models tie the output head to the embedding; the same array serves both.
+        self.output = (gguf.tensor("output.weight", self.token_embd.shape)
+                       if gguf.has_tensor("output.weight") else self.token_embd)
+        self.layers = [self.load_layer(gguf, i) for i in range(self.hp.n_layer)]
+        self.inv_freq = ops.rope_inverse_frequencies(
+            self.hp.rope_dims, self.hp.rope_base, self.hp.rope_freq_scale, self.rope_freq_factors(gguf))
+        self.attn_scale = 1.0 / float(np.sqrt(self.hp.head_dim))
+
+    # --- what an architecture file provides ---------------------------------------------------
+
+    def read_hparams(self, gguf: GGUFFile) -> HParams:
+        return read_hparams(gguf, self.architecture)
+
+    def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def block(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
+        raise NotImplementedError
+
+    def rope_freq_factors(self, gguf: GGUFFile) -> np.ndarray | None:
+        return gguf.tensor("rope_freqs.weight") if gguf.has_tensor("rope_freqs.weight") else None
+
+    # --- loading helpers the architecture files share ----------------------------------------
+
+    def load_qkv(self, gguf: GGUFFile, i: int, adjacent_pair_rope: bool = False) -> dict[str, np.ndarray]:
+        """Q, K and V projections stacked into one matrix (one matmul), plus optional biases."""
+        hp = self.hp
+        prefix = f"blk.{i}"
+        q_rows, k_rows, v_rows = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.n_head_kv * hp.value_dim
+        if gguf.has_tensor(f"{prefix}.attn_qkv.weight"):
+            fused = gguf.tensor(f"{prefix}.attn_qkv.weight", (q_rows + k_rows + v_rows, hp.n_embd))
+            wq, wk, wv = np.split(fused, [q_rows, q_rows + k_rows])
+        else:
+            wq = gguf.tensor(f"{prefix}.attn_q.weight", (q_rows, hp.n_embd))
+            wk = gguf.tensor(f"{prefix}.attn_k.weight", (k_rows, hp.n_embd))
+            wv = gguf.tensor(f"{prefix}.attn_v.weight", (v_rows, hp.n_embd))
+        biases = [gguf.tensor(f"{prefix}.attn_{n}.bias") if gguf.has_tensor(f"{prefix}.attn_{n}.bias")
+                  else None for n in "qkv"]
+        if adjacent_pair_rope:
+            wq = ops.adjacent_pairs_to_halves(wq, hp.n_head, hp.head_dim)
+            wk = ops.adjacent_pairs_to_halves(wk, hp.n_head_kv, hp.head_dim)
+            for j, heads in ((0, hp.n_head), (1, hp.n_head_kv)):
+                if biases[j] is not None:
+                    biases[j] = ops.adjacent_pairs_to_halves(biases[j][:, None], heads, hp.head_dim)[:, 0]
+        weights = {"wqkv": np.ascontiguousarray(np.concatenate([wq, wk, wv]))}
+        if any(b is not None for b in biases):
+            sizes = (q_rows, k_rows, v_rows)
+            weights["bqkv"] = np.concatenate(
+                [b if b is not None else np.zeros(n, np.float32) for b, n in zip(biases, sizes)])
+        weights["wo"] = gguf.tensor(f"{prefix}.attn_output.weight", (hp.n_embd, hp.n_head * hp.value_dim))
+        return weights
+
+    def load_swiglu(self, gguf: GGUFFile, i: int) -> dict[str, np.ndarray]:
+        """Gate and up stacked into one (2F, D) matrix; down (D, F)."""
+        hp = self.hp
+        gate = gguf.tensor(f"blk.{i}.ffn_gate.weight", (hp.n_ff, hp.n_embd))
+        up = gguf.tensor(f"blk.{i}.ffn_up.weight", (hp.n_ff, hp.n_embd))
+        return {"gate_up": np.ascontiguousarray(np.concatenate([gate, up])),
+                "down": gguf.tensor(f"blk.{i}.ffn_down.weight", (hp.n_embd, hp.n_ff))}
+
+    def load_norm(self, gguf: GGUFFile, name: str, size: int | None = None) -> np.ndarray:
+        return gguf.tensor(name, (size or self.hp.n_embd,))
+
+    # --- the shared steps of a block -----------------------------------------------------------
+
+    def project_qkv(self, layer: dict[str, np.ndarray], h: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """[T, D] -> q [T, H, d], k [T, K, d], v [T, K, dv]."""
+        hp = self.hp
+        qkv = ops.linear(h, layer["wqkv"], layer.get("bqkv"))
+        q_end = hp.n_head * hp.head_dim
+        k_end = q_end + hp.n_head_kv * hp.head_dim
+        n = h.shape[0]
+        return (qkv[:, :q_end].reshape(n, hp.n_head, hp.head_dim),
+                qkv[:, q_end:k_end].reshape(n, hp.n_head_kv, hp.head_dim),
+                qkv[:, k_end:].reshape(n, hp.n_head_kv, hp.value_dim))
+
+    def self_attention(self, i: int, h: np.ndarray, fp: ForwardPass, q_norm: np.ndarray | None = None,
+                       k_norm: np.ndarray | None = None, window: int | None = None) -> np.ndarray:
+        """The attention half of a block on normed input h [T, D]: QKV, optional per-head Q/K
+        RMSNorm (before RoPE), attention over the caches, output projection. Returns [T, D]."""
+        layer = self.layers[i]
+        q, k, v = self.project_qkv(layer, h)
+        if q_norm is not None:
+            q = ops.rms_norm(q, q_norm, self.hp.rms_eps)
+        if k_norm is not None:
+            k = ops.rms_norm(k, k_norm, self.hp.rms_eps)
+        return self.attend(i, q, k, v, fp, window) @ layer["wo"].T
+
+    def attend(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, fp: ForwardPass,
+               window: int | None = None) -> np.ndarray:
+        """RoPE on q/k, store k/v in each sequence's cache, attend; returns [T, H*dv]."""
+        q = ops.apply_rope_neox(q, fp.cos, fp.sin)
+        k = ops.apply_rope_neox(k, fp.cos, fp.sin)
+        out = np.empty((q.shape[0], self.hp.n_head * self.hp.value_dim), dtype=np.float32)
+        for cache, (start, end) in zip(fp.caches, fp.spans):
+            keys, values = cache.write(i, k[start:end], v[start:end])
+            out[start:end] = ops.causal_attention(
+                q[start:end], keys, values, cache.length, self.attn_scale, window)
+        return out
+
+    # --- the forward pass ------------------------------------------------------------------------
+
+    def new_cache(self, max_tokens: int) -> KVCache:
+        hp = self.hp
+        return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, max_tokens, hp.value_dim)
+
+    def embed(self, token_ids: np.ndarray) -> np.ndarray:
+        return self.token_embd[token_ids]
+
+    def forward(self, steps: list[tuple[KVCache, list[int]]], all_logits: bool = False
+                ) -> list[np.ndarray]:
+        """Feed each sequence its new tokens in one weight pass; return logits per sequence.
+
+        Logits are [n_vocab] for a sequence's last new token, or [T_s, n_vocab] for all of its
+        new tokens with ``all_logits``. Each cache grows by its tokens.
+        """
+        spans, positions, token_ids = [], [], []
+        row = 0
+        for cache, tokens in steps:
+            if not tokens:
+                raise ValueError("every sequence in a forward pass needs at least one new token")
+            for t in tokens:
+                if not 0 <= t < self.hp.n_vocab:
+                    raise ValueError(f"token id {t} is outside the vocabulary (0..{self.hp.n_vocab - 1})")
+            cache.reserve(len(tokens))
+            spans.append((row, row + len(tokens)))
+            positions.append(np.arange(cache.length, cache.length + len(tokens)))
+            token_ids.extend(tokens)
+            row += len(tokens)
+        cos, sin = ops.rope_cos_sin(np.concatenate(positions), self.inv_freq)
+        fp = ForwardPass([c for c, _ in steps], spans, cos, sin)
+        x = self.embed(np.asarray(token_ids, dtype=np.int64))
+        for i in range(self.hp.n_layer):
+            x = self.block(i, x, fp)
+        for cache, tokens in steps:
+            cache.commit(tokens)
+        rows = np.arange(row) if all_logits else np.array([end - 1 for _, end in spans])
+        logits = self.logits(x[rows])
+        if all_logits:
+            return [logits[start:end] for start, end in spans]
+        return list(logits)
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        return ops.rms_norm(x, self.output_norm, self.hp.rms_eps) @ self.output.T
+
+    @property
+    def weight_bytes(self) -> int:
+        total = self.token_embd.nbytes + self.output_norm.nbytes
+        if self.output is not self.token_embd:
+            total += self.output.nbytes
+        return total + sum(a.nbytes for layer in self.layers for a in layer.values())
+

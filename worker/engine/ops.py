@@ -1,0 +1,152 @@
+"""The shared numpy toolkit every architecture file builds its forward pass from.
+
+Small pure functions on float32 arrays. Shapes in comments use: T tokens, D model width,
+H query heads, K key/value heads, G = H // K query heads per KV head, d head dim, L keys.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x²) + eps) * weight over the last axis."""
+    scale = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + eps)
+    out = x * scale
+    return out * weight if weight is not None else out
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    # x * sigmoid(x), written to stay finite for large negative x
+    return x / (1.0 + np.exp(-x))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    shifted = x - np.max(x, axis=axis, keepdims=True)
+    exps = np.exp(shifted)
+    return exps / np.sum(exps, axis=axis, keepdims=True)
+
+
+def log_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    shifted = x - np.max(x, axis=axis, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+
+
+def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """y = x @ Wᵀ (+ b); W is (n_out, n_in) as GGUF stores it. [T, n_in] -> [T, n_out]"""
+    y = x @ weight.T
+    return y + bias if bias is not None else y
+
+
+# --- rotary position embedding -------------------------------------------------------------
+
+def rope_inverse_frequencies(n_rot: int, base: float, freq_scale: float = 1.0,
+                             freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """Angle per position for each rotated pair: freq_scale * base^(-2i/n_rot) [/ factor_i]."""
+    exponents = np.arange(0, n_rot, 2, dtype=np.float64) / n_rot
+    inv = freq_scale / np.power(base, exponents)
+    if freq_factors is not None:
+        inv = inv / freq_factors.astype(np.float64)
+    return inv  # [n_rot/2]
+
+
+def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    angles = np.outer(positions.astype(np.float64), inv_freq)  # [T, n_rot/2]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate pairs (i, i + n_rot/2) of each head; dims past n_rot pass through.
+
+    x [T, heads, d]; cos/sin [T, n_rot/2]. Architectures whose GGUF uses adjacent-pair
+    rotation (llama) have their Q/K rows permuted at load so this one form serves all.
+    """
+    half = cos.shape[-1]
+    c = cos[:, None, :]
+    s = sin[:, None, :]
+    x1 = x[..., :half]
+    x2 = x[..., half:2 * half]
+    rotated = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    if 2 * half == x.shape[-1]:
+        return rotated
+    return np.concatenate([rotated, x[..., 2 * half:]], axis=-1)
+
+
+def adjacent_pairs_to_halves(weight: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
+    """Reorder Q/K projection rows so adjacent-pair RoPE becomes half-split (NEOX) RoPE.
+
+    Within each head, output dims [0,1,2,3,...] become [0,2,4,...,1,3,5,...]. Q and K get
+    the same permutation, so every q·k dot product, and thus attention, is unchanged.
+    """
+    order = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+    rows = weight.reshape(n_heads, head_dim, -1)[:, order, :]
+    return np.ascontiguousarray(rows.reshape(n_heads * head_dim, -1))
+
+
+# --- attention -------------------------------------------------------------------------------
+
+def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_pos: int,
+                     scale: float, window: int | None = None,
+                     softcap: float | None = None) -> np.ndarray:
+    """Attention of T new queries over L cached keys (the new ones included, last).
+
+    q [T, H, d]; keys/values [K, L, d] with L = first_pos + T. Query i (at position
+    first_pos + i) sees key j iff j <= first_pos + i and, with a sliding window, iff
+    first_pos + i - j < window. Query head h reads KV head h // G. Returns [T, H*d].
+    """
+    n_tokens, n_head, head_dim = q.shape
+    n_kv, n_keys, _ = keys.shape
+    group = n_head // n_kv
+    # [T, H, d] -> [K, G, T, d]: heads are laid out KV-major, so a reshape groups them
+    qg = q.reshape(n_tokens, n_kv, group, head_dim).transpose(1, 2, 0, 3)
+    scores = np.matmul(qg, keys.transpose(0, 2, 1)[:, None]) * scale  # [K, G, T, L]
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
+    query_pos = first_pos + np.arange(n_tokens)[:, None]
+    key_pos = np.arange(n_keys)[None, :]
+    hidden = key_pos > query_pos
+    if window is not None:
+        hidden |= (query_pos - key_pos) >= window
+    if hidden.any():
+        scores = np.where(hidden, np.float32(-np.inf), scores)
+    probs = softmax(scores, axis=-1)
+    out = np.matmul(probs, values[:, None])  # [K, G, T, d]
+    return out.transpose(2, 0, 1, 3).reshape(n_tokens, n_head * head_dim)
+
+
+# --- feed-forward ----------------------------------------------------------------------------
+
+def swiglu(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """down(silu(gate x) * up x) with gate and up stacked into one (2F, D) matrix."""
+    projected = x @ gate_up.T  # [T, 2F]
+    n_ff = gate_up.shape[0] // 2
+    return (silu(projected[:, :n_ff]) * projected[:, n_ff:]) @ down.T
+
+
+def moe_route_softmax_topk(router_logits: np.ndarray, n_used: int,
+                           renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax over experts, keep the top n_used; weights optionally renormalized to sum 1.
+
+    router_logits [T, E] -> (expert ids [T, k], weights [T, k]).
+    """
+    probs = softmax(router_logits, axis=-1)
+    top = np.argpartition(-probs, n_used - 1, axis=-1)[:, :n_used]
+    weights = np.take_along_axis(probs, top, axis=-1)
+    if renormalize:
+        weights = weights / np.maximum(weights.sum(axis=-1, keepdims=True), 6.1e-5)
+    return top, weights
+
+
+def moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray,
+               gate_up_exps: np.ndarray, down_exps: np.ndarray) -> np.ndarray:
+    """Weighted sum of the chosen experts' SwiGLU outputs.
+
+    x [T, D]; experts/weights [T, k]; gate_up_exps [E, 2F, D]; down_exps [E, D, F].
+    Loops over the experts in use (not over tokens): each runs once on its rows.
+    """
+    out = np.zeros_like(x)
+    for expert in np.unique(experts):
+        rows, slot = np.nonzero(experts == expert)
+        y = swiglu(x[rows], gate_up_exps[expert], down_exps[expert])
+        np.add.at(out, rows, y * weights[rows, slot][:, None])
+    return out

@@ -1,0 +1,106 @@
+"""Choosing the next token from logits: penalties, biases, truncation, temperature, logprobs.
+
+The order follows common practice: logit bias, then penalties, then the grammar mask; the
+reported logprobs come from that distribution (before temperature and truncation); then
+top-k, top-p, min-p and temperature shape the distribution the token is drawn from.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.sampling_params import SamplingParams
+from worker.engine import ops
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]  # most likely alternatives, best first
+
+
+class Sampler:
+    """One per sequence: it remembers the generated tokens for the penalties and owns the RNG."""
+
+    def __init__(self, params: SamplingParams, prompt_tokens: list[int] | None = None):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+        self.recent: list[int] = list(prompt_tokens or [])[-params.repetition_window:]
+        self.generated = Counter()
+
+    def accept(self, token_id: int) -> None:
+        self.generated[token_id] += 1
+        self.recent.append(token_id)
+        if len(self.recent) > self.params.repetition_window:
+            del self.recent[0]
+
+    def adjusted_logits(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray:
+        """Logits after bias, penalties and the optional boolean mask of allowed tokens."""
+        p = self.params
+        out = logits.astype(np.float32, copy=True)
+        if p.logit_bias:
+            ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64)
+            keep = (ids >= 0) & (ids < out.shape[0])
+            out[ids[keep]] += np.fromiter(p.logit_bias.values(), dtype=np.float32)[keep]
+        if p.repetition_penalty != 1.0 and self.recent:
+            ids = np.unique(np.asarray(self.recent, dtype=np.int64))
+            vals = out[ids]
+            out[ids] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and self.generated:
+            ids = np.fromiter(self.generated.keys(), dtype=np.int64)
+            counts = np.fromiter(self.generated.values(), dtype=np.float32)
+            out[ids] -= p.presence_penalty + p.frequency_penalty * counts
+        if allowed is not None:
+            out = np.where(allowed, out, np.float32(-np.inf))
+        return out
+
+    def sample(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> SampledToken:
+        p = self.params
+        scores = self.adjusted_logits(logits, allowed)
+        if p.temperature == 0:
+            token = int(np.argmax(scores))
+        else:
+            token = self._draw(scores)
+        logprob, top = self._logprobs(scores, token)
+        self.accept(token)
+        return SampledToken(token, logprob, top)
+
+    def _draw(self, scores: np.ndarray) -> int:
+        p = self.params
+        n = scores.shape[0]
+        k = p.top_k if 0 < p.top_k < n else n
+        if k < n:
+            candidates = np.argpartition(-scores, k - 1)[:k]
+        else:
+            candidates = np.arange(n)
+        candidates = candidates[np.isfinite(scores[candidates])]
+        if candidates.size == 0:
+            return int(np.argmax(scores))
+        # sort the survivors best-first for top-p
+        candidates = candidates[np.argsort(-scores[candidates], kind="stable")]
+        probs = ops.softmax(scores[candidates].astype(np.float64))
+        if p.top_p < 1.0:
+            cut = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
+            candidates, probs = candidates[:cut], probs[:cut]
+        if p.min_p > 0:
+            keep = probs >= p.min_p * probs[0]
+            candidates, probs = candidates[keep], probs[keep]
+        tempered = np.log(probs) / p.temperature
+        final = ops.softmax(tempered)
+        return int(candidates[self.rng.choice(candidates.size, p=final)])
+
+    def _logprobs(self, scores: np.ndarray, token: int) -> tuple[float, list[tuple[int, float]]]:
+        p = self.params
+        if not p.logprobs and not p.top_logprobs:
+            return 0.0, []
+        logp = ops.log_softmax(scores.astype(np.float64))
+        top: list[tuple[int, float]] = []
+        if p.top_logprobs:
+            ids = np.argpartition(-logp, p.top_logprobs - 1)[:p.top_logprobs]
+            ids = ids[np.argsort(-logp[ids], kind="stable")]
+            top = [(int(i), float(logp[i])) for i in ids]
+        return float(logp[token]), top

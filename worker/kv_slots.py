@@ -1,0 +1,68 @@
+"""The pool of resident KV caches (``--kv-slots``) and the prefix-reuse choice among them."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from worker.engine.kv_cache import KVCache
+from worker.engine.model import DecoderModel
+
+
+@dataclass
+class Slot:
+    index: int
+    cache: KVCache
+    busy: bool = False
+    last_used: int = 0
+    session: str | None = None  # a client's cache-affinity hint, if it sent one
+
+
+@dataclass
+class SlotChoice:
+    slot: Slot
+    reused_tokens: int  # leading prompt tokens whose KV the slot already holds
+
+
+@dataclass
+class SlotPool:
+    model: DecoderModel
+    n_slots: int
+    max_tokens: int
+    slots: list[Slot] = field(default_factory=list)
+    _clock: itertools.count = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        self.slots = [Slot(i, self.model.new_cache(self.max_tokens)) for i in range(self.n_slots)]
+
+    def free_count(self) -> int:
+        return sum(not s.busy for s in self.slots)
+
+    def acquire(self, prompt: list[int], session: str | None = None) -> SlotChoice | None:
+        """The free slot sharing the longest prefix with ``prompt``; else the least recently used.
+
+        Ties on prefix length go to the slot of the same session, then to the most recent one.
+        The slot's cache is truncated to the reused prefix; at least one prompt token is always
+        left to compute, because the next token's logits come from it.
+        """
+        free = [s for s in self.slots if not s.busy]
+        if not free:
+            return None
+
+        def score(slot: Slot) -> tuple[int, bool, int]:
+            return slot.cache.common_prefix(prompt), session is not None and slot.session == session, slot.last_used
+
+        best = max(free, key=score)
+        reused = min(best.cache.common_prefix(prompt), len(prompt) - 1)
+        if reused <= 0:
+            best = min(free, key=lambda s: s.last_used)
+            reused = 0
+        best.cache.truncate(reused)
+        best.busy = True
+        best.session = session
+        best.last_used = next(self._clock)
+        return SlotChoice(best, reused)
+
+    def release(self, slot: Slot) -> None:
+        slot.busy = False
+        slot.last_used = next(self._clock)

@@ -1,0 +1,171 @@
+"""The worker process: owns the engine, binds the ROUTER, runs the scheduler.
+
+The main thread does all socket IO (ZeroMQ sockets are not thread-safe); the scheduler runs
+the engine on its own thread (numpy's BLAS releases the GIL) and hands outgoing messages back
+through an in-process PUSH/PULL pair, so a long forward pass never delays an ABORT, a
+heartbeat or a BUSY answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import zmq
+
+from shared.protocol import (
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_TIMEOUT,
+    PROTOCOL_VERSION,
+    Abort,
+    Generate,
+    Heartbeat,
+    Hello,
+    Message,
+    ModelCard,
+    ProtocolError,
+    Rejected,
+    decode,
+    version_mismatch_message,
+)
+from worker.engine.engine import Engine
+from worker.scheduler import Scheduler, SchedulerSettings
+
+log = logging.getLogger("lmserve.worker")
+
+
+@dataclass
+class WorkerSettings:
+    endpoint: str = "tcp://127.0.0.1:5557"
+    scheduler: SchedulerSettings = None  # type: ignore[assignment]
+    heartbeat_interval: float = HEARTBEAT_INTERVAL
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if self.scheduler is None:
+            self.scheduler = SchedulerSettings()
+
+
+class WorkerServer:
+    def __init__(self, engine: Engine, settings: WorkerSettings):
+        self.engine = engine
+        self.settings = settings
+        self.context = zmq.Context.instance()
+        self.router = self.context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished peer drops its messages
+        self.router.bind(settings.endpoint)
+        self.outbox_address = f"inproc://outbox-{id(self)}"
+        self.outbox = self.context.socket(zmq.PULL)
+        self.outbox.bind(self.outbox_address)
+        self._thread_local = threading.local()
+        self.scheduler = Scheduler(engine, settings.scheduler, self._send_from_any_thread)
+        self.gateways: dict[bytes, float] = {}  # identity -> last time heard from
+        self.stopping = threading.Event()
+        self.instance = uuid.uuid4().hex
+        self.card = self._model_card()
+
+    def _model_card(self) -> ModelCard:
+        engine, sched = self.engine, self.settings.scheduler
+        return ModelCard(
+            version=PROTOCOL_VERSION, model_id=engine.model_id, architecture=engine.architecture,
+            context_budget=sched.ctx, n_vocab=engine.model.hp.n_vocab,
+            tokenizer=engine.tokenizer.to_spec(),
+            chat_template=engine.template.source if engine.template else None,
+            fingerprint=engine.fingerprint, instance=self.instance,
+            capabilities={"batch": sched.batch, "kv_slots": max(sched.kv_slots, sched.batch),
+                          "queue": sched.queue, "grammar": False, "reasoning": False,
+                          "tool_convention": None, "worker": f"{socket.gethostname()}:{os.getpid()}"})
+
+    # Messages from the IO thread go straight out; from any other thread, through the outbox.
+    def _send_from_any_thread(self, identity: bytes, message: Message) -> None:
+        if threading.current_thread() is threading.main_thread() or getattr(self._thread_local, "io", False):
+            self.router.send_multipart([identity, *message.frames()])
+            return
+        push = getattr(self._thread_local, "push", None)
+        if push is None:
+            push = self.context.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(self.outbox_address)
+            self._thread_local.push = push
+        push.send_multipart([identity, *message.frames()])
+
+    def serve_forever(self) -> None:
+        self._thread_local.io = True
+        engine_thread = threading.Thread(target=self.scheduler.run, name="engine", daemon=True)
+        engine_thread.start()
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.outbox, zmq.POLLIN)
+        next_beat = time.monotonic()
+        log.info("worker ready on %s (model %s)", self.settings.endpoint, self.engine.model_id)
+        try:
+            while not self.stopping.is_set():
+                timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
+                for sock, _ in poller.poll(timeout_ms):
+                    if sock is self.outbox:
+                        while True:
+                            try:
+                                frames = self.outbox.recv_multipart(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            self.router.send_multipart(frames)
+                    else:
+                        while True:
+                            try:
+                                frames = self.router.recv_multipart(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            self._handle(frames[0], frames[1:])
+                if time.monotonic() >= next_beat:
+                    self._heartbeat()
+                    next_beat = time.monotonic() + self.settings.heartbeat_interval
+        finally:
+            self.scheduler.stop()
+            engine_thread.join(timeout=10)
+            self.router.close(0)
+            self.outbox.close(0)
+
+    def _handle(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            message = decode(frames)
+        except ProtocolError as exc:
+            log.warning("dropping a malformed message from %r: %s", identity, exc)
+            return
+        self.gateways[identity] = time.monotonic()
+        if isinstance(message, Hello):
+            if message.version != PROTOCOL_VERSION:
+                self.router.send_multipart([identity, *Rejected(
+                    "", 400, "protocol_version",
+                    version_mismatch_message(PROTOCOL_VERSION, message.version, "worker")).frames()])
+                return
+            log.info("gateway %s connected", message.gateway or identity.hex())
+            self.router.send_multipart([identity, *self.card.frames()])
+        elif isinstance(message, Generate):
+            self.scheduler.submit(identity, message)
+        elif isinstance(message, Abort):
+            self.scheduler.abort(identity, message.request_id)
+        elif isinstance(message, Heartbeat):
+            pass  # being heard from is the whole point
+        else:
+            log.warning("ignoring %s from a gateway", type(message).__name__)
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        waiting, running = self.scheduler.load()
+        beat = Heartbeat(time.time(), self.instance, waiting, running).frames()
+        for identity, last_seen in list(self.gateways.items()):
+            if now - last_seen > self.settings.heartbeat_timeout:
+                del self.gateways[identity]
+                ended = self.scheduler.abort_gateway(identity)
+                log.warning("gateway %s went silent; ended its %d request(s)", identity.hex(), ended)
+                continue
+            self.router.send_multipart([identity, *beat])
+
+    def stop(self) -> None:
+        self.stopping.set()
