@@ -20,7 +20,8 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from gateway import sse
+from gateway import access_log, sse
+from gateway.access_log import AccessLogMiddleware
 from gateway.dialects import anthropic_messages, openai_chat, openai_responses
 from gateway.edge import EdgeMiddleware, EdgeSettings
 from gateway.errors import dialect_for_path, error_response
@@ -46,6 +47,7 @@ class GatewaySettings:
     ping_interval: float = 10.0  # seconds of silence before an SSE keep-alive
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 6.0
+    max_buffered: int = 4096  # unread replies per request before a slow reader is cut off
 
 
 class Gateway:
@@ -53,7 +55,8 @@ class Gateway:
 
     def __init__(self, settings: GatewaySettings):
         self.settings = settings
-        self.client = WorkerClient(settings.worker, settings.heartbeat_interval, settings.heartbeat_timeout)
+        self.client = WorkerClient(settings.worker, settings.heartbeat_interval, settings.heartbeat_timeout,
+                                   max_buffered=settings.max_buffered)
         self._view: ModelView | None = None
 
     def view(self) -> ModelView:
@@ -69,7 +72,8 @@ class Gateway:
         body = parse_json_object(await request.body())
         view = self.view()
         neutral = dialect.parse(body, view, request.headers)
-        events = generate(view, self.client, neutral, self.settings.ping_interval)
+        events = access_log.observe(request.scope, neutral.stream,
+                                    generate(view, self.client, neutral, self.settings.ping_interval))
         first = await _first_started(events)
         if neutral.stream:
             return sse.streaming_response(_stream_body(dialect, neutral, view, first, events))
@@ -221,4 +225,5 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     app.add_middleware(EdgeMiddleware, settings=settings.edge)
+    app.add_middleware(AccessLogMiddleware)  # outermost: edge refusals are logged too
     return app

@@ -51,6 +51,8 @@ def dialect_for_path(path: str, headers: Any = None) -> str:
         return ANTHROPIC
     if path.startswith("/v1/responses"):
         return RESPONSES
+    if path.startswith(("/v1/chat/", "/v1/completions")):
+        return CHAT
     if headers is not None and ("anthropic-version" in headers or "x-api-key" in headers):
         return ANTHROPIC
     return CHAT

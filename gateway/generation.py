@@ -2,7 +2,8 @@
 
 Renders and tokenizes the prompt, asks the worker, and turns its token stream into text:
 incremental detokenization, the reasoning split, stop strings (which end the request in the
-worker at once), logprobs, and keep-alive pings while nothing new arrives (a long prefill).
+worker at once), tool calls (gateway/tool_calls.py), logprobs, and keep-alive pings while
+nothing new arrives (a long prefill).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from gateway import tool_calls
 from gateway.neutral import (
     Event,
     Finish,
@@ -20,10 +22,11 @@ from gateway.neutral import (
     Started,
     TextDelta,
     TokenLogprob,
+    ToolCallEnd,
     Usage,
 )
 from gateway.prompting import THINK_CLOSE, THINK_OPEN, ModelView
-from gateway.stop_strings import StopStringMatcher
+from gateway.stop_strings import StopStringMatcher, partial_suffix
 from shared.errors import WorkerUnavailableError
 from shared.protocol import Accepted, Finished, Generate, Tokens
 from shared.worker_client import WorkerClient
@@ -33,12 +36,18 @@ WORKER_REASONS = {"stop": "stop", "length": "length", "context": "context", "err
 
 
 class ReasoningSplitter:
-    """Routes text between ``<think>`` and ``</think>`` to reasoning, the rest to content."""
+    """Routes text between ``<think>`` and ``</think>`` to reasoning, the rest to content.
+
+    The line breaks a model writes just inside the tags and right after ``</think>`` are layout
+    (Qwen3 writes ``<think>\n...\n</think>\n\n``, and its template trims reasoning when it
+    renders it back), so they are dropped.
+    """
 
     def __init__(self, inside: bool = False):
         self.inside = inside
         self.held = ""
         self.closed_once = False
+        self.at_edge = True  # nothing emitted since the last tag (or the start)
 
     def push(self, text: str) -> list[TextDelta | ReasoningDelta]:
         out: list[TextDelta | ReasoningDelta] = []
@@ -48,28 +57,35 @@ class ReasoningSplitter:
             tag = THINK_CLOSE if self.inside else THINK_OPEN
             position = buffer.find(tag)
             if position == -1:
-                keep = next((n for n in range(min(len(tag) - 1, len(buffer)), 0, -1)
-                             if tag.startswith(buffer[-n:])), 0)
-                emit, self.held = buffer[:len(buffer) - keep], buffer[len(buffer) - keep:]
+                ready = buffer[:len(buffer) - partial_suffix(buffer, (tag,))]
+                if self.inside:  # line breaks may be the ones right before </think>
+                    ready = ready.rstrip("\n")
+                emit, self.held = ready, buffer[len(ready):]
                 buffer = ""
             else:
                 emit, buffer = buffer[:position], buffer[position + len(tag):]
-            if emit:
-                if not self.inside and self.closed_once and not out:
-                    emit = emit.lstrip("\n")  # the blank line a model puts after </think>
-                if emit:
-                    out.append(ReasoningDelta(emit) if self.inside else TextDelta(emit))
+                if self.inside:
+                    emit = emit.rstrip("\n")
+            self._emit(emit, out)
             if position != -1:
                 if self.inside:
                     self.closed_once = True
                 self.inside = not self.inside
+                self.at_edge = True
         return out
 
     def flush(self) -> list[TextDelta | ReasoningDelta]:
         held, self.held = self.held, ""
-        if not held:
-            return []
-        return [ReasoningDelta(held) if self.inside else TextDelta(held)]
+        out: list[TextDelta | ReasoningDelta] = []
+        self._emit(held.rstrip("\n") if self.inside else held, out)
+        return out
+
+    def _emit(self, text: str, out: list[TextDelta | ReasoningDelta]) -> None:
+        if self.at_edge and (self.inside or self.closed_once):
+            text = text.lstrip("\n")
+        if text:
+            self.at_edge = False
+            out.append(ReasoningDelta(text) if self.inside else TextDelta(text))
 
 
 async def generate(view: ModelView, client: WorkerClient, request: NeutralRequest,
@@ -79,7 +95,8 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
     Errors raised before Started (busy, rejected, prompt too long, worker down) come out as
     exceptions, so the caller can still answer with an HTTP error status.
     """
-    prompt = view.prompt_ids(request.messages, request.tools, request.reasoning, request.prefill)
+    tools = tool_calls.plan(view, request)
+    prompt = view.prompt_ids(request.messages, tools.declared, request.reasoning, request.prefill)
     view.check_fits(len(prompt))
     room = view.context_budget - len(prompt)
     max_tokens = min(request.max_tokens, room) if request.max_tokens else room
@@ -87,11 +104,12 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
                               cache_hint=request.cache_hint)
     tokenizer = view.tokenizer
     decoder = tokenizer.incremental_decoder(skip_special=True)
-    # When reasoning is on, a template may open the think block in the prompt already.
-    splitter = ReasoningSplitter(inside=request.reasoning and request.prefill == ""
-                                 and view.render([], reasoning=True).rstrip().endswith(THINK_OPEN)
-                                 if view.has_reasoning_channel and request.reasoning else False)
-    stops = StopStringMatcher(request.stop)
+    reply = ReplyText(
+        # When reasoning is on, a template may open the think block in the prompt already.
+        ReasoningSplitter(inside=request.prefill == "" and _prompt_opens_reasoning(view)
+                          if view.has_reasoning_channel and request.reasoning else False),
+        StopStringMatcher(request.stop),
+        tool_calls.ToolCallParser(tools.limit) if tools.parse else None)
     usage = Usage(prompt_tokens=len(prompt))
     reasoning_tokens = 0
     stream = client.generate(worker_request)
@@ -114,25 +132,29 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
                 if message.cached_tokens is not None:
                     usage.cached_tokens = message.cached_tokens
                 usage.completion_tokens += len(message.ids)
-                if splitter.inside:
+                if reply.splitter.inside:
                     reasoning_tokens += len(message.ids)
                 if request.sampling.logprobs or request.sampling.top_logprobs:
                     yield LogprobsDelta(_logprob_items(tokenizer, message))
-                text = decoder.push_many(message.ids)
-                for event in _route(splitter, stops, text):
+                for event in reply.push(decoder.push_many(message.ids)):
                     yield event
-                if stops.fired is not None:
+                if reply.ended:
+                    # A stop string, or the one call allowed without parallel calls: the reply
+                    # ends here, and closing the worker stream (finally) sends ABORT.
                     usage.reasoning_tokens = reasoning_tokens
-                    yield Finish("stop_sequence", usage, stop_sequence=stops.fired)
-                    return  # closing the worker stream sends ABORT
+                    fired = reply.stops.fired
+                    yield Finish(reply.reason("stop_sequence" if fired is not None else "stop"), usage,
+                                 stop_sequence=fired)
+                    return
             elif isinstance(message, Finished):
-                for event in _route(splitter, stops, decoder.flush(), final=True):
+                for event in reply.push(decoder.flush()) + reply.finish():
                     yield event
                 usage.cached_tokens = message.cached_tokens
                 usage.prompt_tokens = message.prompt_tokens or usage.prompt_tokens
                 usage.completion_tokens = message.completion_tokens
                 usage.reasoning_tokens = reasoning_tokens
-                yield Finish(WORKER_REASONS.get(message.reason, "error"), usage, error=message.error)
+                yield Finish(reply.reason(WORKER_REASONS.get(message.reason, "error")), usage,
+                             error=message.error)
                 return
             pending = asyncio.ensure_future(stream.__anext__())
     finally:
@@ -145,23 +167,67 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
             await stream.aclose()
 
 
-def _route(splitter: ReasoningSplitter, stops: StopStringMatcher, text: str, final: bool = False):
-    pieces = splitter.push(text) + (splitter.flush() if final else [])
-    for piece in pieces:
-        if isinstance(piece, TextDelta):
-            released = stops.push(piece.text)
-            if final:
-                released += stops.flush()
-            if released:
-                yield TextDelta(released)
-            if stops.fired is not None:
-                return
-        else:
-            yield piece
-    if final and not pieces:
-        tail = stops.flush()
-        if tail:
-            yield TextDelta(tail)
+def _prompt_opens_reasoning(view: ModelView) -> bool:
+    # Some templates (Qwen3-2507 thinking and later) write <think> into the generation prompt,
+    # so the reply starts inside the block. A one-message conversation is enough to see it.
+    probe = view.render([{"role": "user", "content": "?"}], reasoning=True)
+    return probe.rstrip().endswith(THINK_OPEN)
+
+
+class ReplyText:
+    """The reply's text on its way to events: the reasoning split, then stop strings on what is
+    not reasoning, then tool-call parsing on what the stop strings release."""
+
+    def __init__(self, splitter: ReasoningSplitter, stops: StopStringMatcher,
+                 parser: tool_calls.ToolCallParser | None):
+        self.splitter = splitter
+        self.stops = stops
+        self.parser = parser
+
+    @property
+    def ended(self) -> bool:
+        """Nothing more may be shown: a stop string fired, or the calls allowed are all made."""
+        return self.stops.fired is not None or (self.parser is not None and self.parser.done)
+
+    def push(self, text: str) -> list[Event]:
+        out: list[Event] = []
+        for piece in self.splitter.push(text):
+            if self.ended:
+                break
+            out += self._piece(piece)
+        return out
+
+    def finish(self) -> list[Event]:
+        """The reply is over: release what every stage held back."""
+        out: list[Event] = []
+        for piece in self.splitter.flush():
+            if not self.ended:
+                out += self._piece(piece)
+        if not self.ended:
+            out += self._content(self.stops.flush())
+            if self.parser is not None:
+                out += self.parser.flush()
+        return out
+
+    def reason(self, reason: str) -> str:
+        """A reply that made calls ended to have them run, unless it was cut short."""
+        made_calls = self.parser is not None and self.parser.completed > 0
+        return "tool_calls" if made_calls and reason in ("stop", "stop_sequence") else reason
+
+    def _piece(self, piece: TextDelta | ReasoningDelta) -> list[Event]:
+        if isinstance(piece, ReasoningDelta):
+            return [piece]
+        out = self._content(self.stops.push(piece.text))
+        if self.stops.fired is not None and self.parser is not None:
+            out += self.parser.flush()  # no more text will come: a call still open is text
+        return out
+
+    def _content(self, text: str) -> list[Event]:
+        if not text:
+            return []
+        if self.parser is None:
+            return [TextDelta(text)]
+        return list(self.parser.push(text))
 
 
 def _logprob_items(tokenizer, message: Tokens) -> list[TokenLogprob]:
@@ -185,6 +251,7 @@ class Completion:
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.logprobs: list[TokenLogprob] = []
+        self.calls: list[ToolCallEnd] = []
         self.prompt_tokens = 0
         self.finish: Finish | None = None
 
@@ -203,6 +270,8 @@ class Completion:
             self.reasoning.append(event.text)
         elif isinstance(event, LogprobsDelta):
             self.logprobs.extend(event.items)
+        elif isinstance(event, ToolCallEnd):
+            self.calls.append(event)
         elif isinstance(event, Started):
             self.prompt_tokens = event.prompt_tokens
         elif isinstance(event, Finish):

@@ -10,6 +10,7 @@ import uvicorn
 
 from gateway.app import GatewaySettings, create_app
 from gateway.edge import EdgeSettings
+from shared import log_format
 from shared import settings as flags
 
 DEFAULT_WORKER = "tcp://127.0.0.1:5557"
@@ -19,12 +20,18 @@ def add_gateway_flags(p) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=8080, help="port")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer K (or x-api-key: K)")
-    p.add_argument("--allow-host", action="append", default=[],
-                   help="extra Host header value to accept (repeatable); arms the Host guard on non-loopback binds")
+    p.add_argument("--allow-host", action=flags.CommaList, default=[],
+                   help="extra Host header values to accept (comma-separated, repeatable); "
+                        "arms the Host guard on non-loopback binds")
     p.add_argument("--conns", type=int, default=32, help="max concurrent connections")
     p.add_argument("--max-body", type=int, default=32 * 1024 * 1024, help="max request body in bytes")
+    p.add_argument("--max-buffered", type=int, default=4096,
+                   help="replies a request may hold unread before its slow reader is cut off")
     p.add_argument("--ping-interval", type=float, default=10.0,
                    help="seconds of silence before an SSE keep-alive while a prompt is read")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on shutdown, seconds in-flight requests get to finish before they are cut")
+    flags.add_log_flags(p)
 
 
 def build_parser():
@@ -36,10 +43,8 @@ def build_parser():
 
 def settings_from(args) -> GatewaySettings:
     allow = args.allow_host
-    if isinstance(allow, str):  # from the environment: comma-separated
-        allow = [h for h in allow.split(",") if h]
     return GatewaySettings(
-        worker=args.worker, ping_interval=args.ping_interval,
+        worker=args.worker, ping_interval=args.ping_interval, max_buffered=args.max_buffered,
         edge=EdgeSettings(bind_host=args.host, api_key=args.api_key, allow_hosts=list(allow),
                           conns=args.conns, max_body=args.max_body))
 
@@ -62,14 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.conns < 1 or args.max_body < 1:
         parser.error("--conns and --max-body must be positive")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log_format.configure(args.log_format)
     app = create_app(settings_from(args))
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
         print(f"lmserve gateway: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
         return 2
-    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, lifespan="on")
+    # log_config=None: uvicorn's own records go through our handler (and --log-format) too
+    config = uvicorn.Config(app, log_level="warning", log_config=None, timeout_keep_alive=30, lifespan="on",
+                            timeout_graceful_shutdown=args.drain_timeout)
     server = uvicorn.Server(config)
     logging.getLogger("lmserve.gateway").info("gateway on http://%s:%d (worker %s)", args.host, args.port, args.worker)
     server.run(sockets=[sock])

@@ -62,6 +62,32 @@ class LogprobsDelta:
 
 
 @dataclass
+class ToolCallStart:
+    """A tool call the model completed (calls are only announced once whole and valid).
+
+    ``call_id`` is bare; each dialect puts its own prefix on it (call_, toolu_, fc_).
+    """
+
+    index: int  # 0, 1, ... in the order of the reply
+    call_id: str
+    name: str
+
+
+@dataclass
+class ToolCallArgumentsDelta:
+    index: int
+    json_fragment: str  # the fragments so far always join to a prefix of valid JSON
+
+
+@dataclass
+class ToolCallEnd:
+    index: int
+    call_id: str
+    name: str
+    arguments_json: str  # the whole arguments object, the fragments joined
+
+
+@dataclass
 class Ping:
     """Nothing new yet (a long prefill): keep the connection alive."""
 
@@ -75,12 +101,13 @@ class Started:
 
 @dataclass
 class Finish:
-    # "stop" (end of turn), "length" (max_tokens), "stop_sequence", "tool_calls", "context"
-    # (the context budget ran out), "error"
+    # "stop" (end of turn), "length" (max_tokens), "stop_sequence", "tool_calls" (the reply
+    # completed at least one call), "context" (the context budget ran out), "error"
     reason: str
     usage: Usage
     stop_sequence: str | None = None
     error: str | None = None
 
 
-Event = TextDelta | ReasoningDelta | LogprobsDelta | Ping | Started | Finish
+Event = (TextDelta | ReasoningDelta | LogprobsDelta | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd
+         | Ping | Started | Finish)

@@ -15,6 +15,8 @@ from shared.tokenizer import Tokenizer
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
 
 # A plain ChatML rendering for GGUFs that carry no template.
 FALLBACK_TEMPLATE = (
@@ -55,6 +57,15 @@ class ModelView:
         vocab_has_tags = (self.tokenizer.piece_to_id(THINK_OPEN) is not None
                           and self.tokenizer.piece_to_id(THINK_CLOSE) is not None)
         return vocab_has_tags and "enable_thinking" in self.template.source
+
+    @property
+    def has_tool_convention(self) -> bool:
+        """A model calls tools the Hermes way (``<tool_call>`` blocks, see gateway/tool_calls.py)
+        when its vocabulary has the call tags and its template shows tools and calls."""
+        vocab_has_tags = (self.tokenizer.piece_to_id(TOOL_CALL_OPEN) is not None
+                          and self.tokenizer.piece_to_id(TOOL_CALL_CLOSE) is not None)
+        source = self.template.source
+        return vocab_has_tags and "tools" in source and "tool_call" in source
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, reasoning: bool = False,
                prefill: str = "") -> str:

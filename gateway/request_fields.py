@@ -101,5 +101,6 @@ def text_of_parts(content: Any, where: str, part_types: tuple[str, ...] = ("text
             raise InvalidRequestError(
                 f"'{path}.type' is {kind!r}; this server reads only {', '.join(part_types)} parts here "
                 f"(the model takes text only)", param=f"{path}.type")
-        pieces.append(field(part, "text", str, path, required=True))
+        # a refusal part carries its words under "refusal", every other text part under "text"
+        pieces.append(field(part, "refusal" if kind == "refusal" else "text", str, path, required=True))
     return "".join(pieces)

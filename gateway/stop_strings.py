@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class StopStringMatcher:
     """Feed text pieces; get back the text safe to emit, and which stop string fired (if any).
@@ -14,7 +16,6 @@ class StopStringMatcher:
         self.stops = [s for s in stops if s]
         self.held = ""
         self.fired: str | None = None
-        self._longest = max((len(s) for s in self.stops), default=0)
 
     def push(self, text: str) -> str:
         if self.fired is not None:
@@ -41,9 +42,15 @@ class StopStringMatcher:
         return out
 
     def _partial_suffix(self, buffer: str) -> int:
-        """Length of the longest suffix of buffer that is a proper prefix of some stop string."""
-        for length in range(min(len(buffer), self._longest - 1), 0, -1):
-            tail = buffer[-length:]
-            if any(stop.startswith(tail) for stop in self.stops):
-                return length
-        return 0
+        return partial_suffix(buffer, self.stops)
+
+
+def partial_suffix(buffer: str, tags: Sequence[str]) -> int:
+    """Length of the longest suffix of buffer that is a proper prefix of one of tags: the text
+    to hold back until the next piece shows whether a tag starts there."""
+    longest = max((len(tag) for tag in tags), default=0)
+    for length in range(min(len(buffer), longest - 1), 0, -1):
+        tail = buffer[-length:]
+        if any(tag.startswith(tail) for tag in tags):
+            return length
+    return 0

@@ -36,6 +36,9 @@ from shared.sampling_params import SamplingParams
 PROTOCOL_VERSION = 1
 HEARTBEAT_INTERVAL = 1.0  # seconds between heartbeats, both directions
 HEARTBEAT_TIMEOUT = 6.0  # silence after which the peer is presumed gone
+# REJECTED kind for a GENERATE from a gateway this worker instance has not been greeted by
+# (the worker restarted under it): the gateway says HELLO again and resends.
+HELLO_FIRST = "hello_first"
 
 
 class MsgType(bytes, enum.Enum):

@@ -33,6 +33,7 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
+            (self.seed is None or -(2**63) <= self.seed < 2**64, "seed must fit in 64 bits"),
         ]
         for ok, message in checks:
             if not ok:

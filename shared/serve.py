@@ -1,84 +1,307 @@
 """``lmserve serve``: the one-command local stack.
 
-Starts a worker and the gateway(s) as child processes on this machine, waits for them, and
-takes them all down together: Ctrl-C or SIGTERM is forwarded to every child, and if any child
-dies the others are stopped and the command exits non-zero naming it.
+Starts a worker and ``--gateways N`` gateways (sharing one port through SO_REUSEPORT) as child
+processes, shows the model loading (a progress bar on a terminal), prints the URL once every
+gateway answers, and takes them all down together:
+
+- Ctrl-C or SIGTERM stops the gateways first, so in-flight streams finish while the worker
+  still runs (each gateway cuts what is left after ``--drain-timeout``), then the worker.
+  A second Ctrl-C kills everything at once.
+- If any child dies, the command names it, stops the others and exits non-zero.
+- The children run in their own process group (a terminal's Ctrl-C reaches only this process,
+  which orders the shutdown) and die with this process even if it is killed outright
+  (see ``shared.supervised``).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import argparse
+import http.client
+import os
+import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 
+from gateway.access_log import GATEWAY_HEADER
+from gateway.edge import is_loopback
+from gateway.main import add_gateway_flags
+from gateway.main import build_parser as gateway_parser
 from shared import settings as flags
+from shared.load_progress import ProgressBar, parse_status
+from worker.main import build_parser as worker_parser
+
+POLL_INTERVAL = 0.1  # seconds between looks at the children
+GATEWAYS_READY_WAIT = 10.0  # after the first healthy answer, how long to wait to hear from every gateway
+WORKER_STOP_WAIT = 15.0  # a forward pass in progress finishes before the worker exits
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     p = flags.new_parser("lmserve serve", "Run a worker and gateway(s) on this machine.")
     flags.add_model_flags(p)
-    p.add_argument("--host", default="127.0.0.1", help="bind address of the HTTP gateway")
-    p.add_argument("--port", type=int, default=8080, help="HTTP port")
+    add_gateway_flags(p)
     p.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the port")
-    flags.add_worker_endpoint_flag(p, "")
+    p.add_argument("--worker", default="",
+                   help="ZeroMQ endpoint between the gateways and the worker (default: a free loopback port)")
     flags.add_worker_flags(p)
     return p
 
 
 def _free_tcp_endpoint() -> str:
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    gateway: bool
+    reported: bool = False  # its exit has been dealt with
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, signum: int) -> None:
+        if self.alive:
+            self.proc.send_signal(signum)
+
+
+@dataclass
+class Stack:
+    """The children and the state of the one loop that watches them."""
+
+    args: argparse.Namespace
+    children: list[Child] = field(default_factory=list)
+    stop_requests: int = 0
+    phase: str = "loading"  # loading -> starting -> serving -> draining -> stopping-worker -> done
+    deadline: float = 0.0
+    exit_code: int = 0
+    status_read: int = -1  # our end of the worker's status pipe, -1 once closed
+    status_buffer: bytes = b""
+    model_id: str = ""
+    seen_gateways: set[str] = field(default_factory=set)  # ids of gateways that answered 200
+    bar: ProgressBar | None = None
+    selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
+
+    # --- starting ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        python = [sys.executable, "-m", "shared.supervised", str(os.getpid())]
+        # Own process group: a terminal's Ctrl-C reaches only us, and we stop the children in order.
+        common = {"stdin": subprocess.DEVNULL, "process_group": 0}
+        status_read, status_write = os.pipe()
+        self.children.append(Child("the worker", subprocess.Popen(
+            python + ["worker", self.args.model, *flags.to_argv(worker_parser(), self.args),
+                      "--status-fd", str(status_write)],
+            pass_fds=(status_write,), **common), gateway=False))
+        os.close(status_write)
+        self.status_read = status_read
+        os.set_blocking(status_read, False)
+        # Gateways start at once: they answer 503 while the worker loads and find it by themselves.
+        # The API key travels in the environment: a command line is visible to every local user.
+        gateway_env = {**os.environ, flags.env_name("--api-key"): self.args.api_key or ""}
+        gateway_argv = flags.to_argv(gateway_parser(), self.args, skip=lambda a: a.dest == "api_key")
+        for i in range(self.args.gateways):
+            self.children.append(Child(f"gateway {i + 1}", subprocess.Popen(
+                python + ["gateway", *gateway_argv], env=gateway_env, **common), gateway=True))
+        self.bar = ProgressBar(sys.stderr, f"loading {os.path.basename(self.args.model)}") \
+            if sys.stderr.isatty() else None
+        if self.bar is None:
+            print(f"lmserve serve: loading {self.args.model}", file=sys.stderr, flush=True)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.selector.register(self.status_read, selectors.EVENT_READ)
+        try:
+            while self.phase != "done":
+                if self.phase in ("loading", "starting", "serving") and self.stop_requests:
+                    self._begin_stop()
+                if self.stop_requests > 1:
+                    self._kill_all()
+                    self.exit_code = self.exit_code or 130
+                    break
+                if self.status_read < 0:
+                    time.sleep(POLL_INTERVAL)
+                elif self.selector.select(POLL_INTERVAL):
+                    self._read_status()
+                self._check_children()
+                self._advance()
+        finally:
+            self._close_status()
+            self._kill_all()
+        return self.exit_code
+
+    def _read_status(self) -> None:
+        try:
+            chunk = os.read(self.status_read, 65536)
+        except BlockingIOError:
+            return
+        if not chunk:  # the worker closed the pipe (it exited); its exit code tells the rest
+            self._close_status()
+            return
+        self.status_buffer += chunk
+        *lines, self.status_buffer = self.status_buffer.split(b"\n")
+        for line in lines:
+            entry = parse_status(line.decode("utf-8", "replace"))
+            if entry is None or self.phase != "loading":
+                continue
+            if entry["event"] == "loading" and self.bar is not None:
+                self.bar.update(int(entry["done"]), int(entry["total"]))
+            elif entry["event"] == "ready":
+                if self.bar is not None:
+                    self.bar.update(1, 1)
+                    self.bar.finish()
+                self.model_id = str(entry.get("model", ""))
+                self.phase, self.deadline = "starting", 0.0
+
+    def _close_status(self) -> None:
+        if self.status_read >= 0:
+            self.selector.unregister(self.status_read)
+            os.close(self.status_read)
+            self.status_read = -1
+
+    def _check_children(self) -> None:
+        for child in self.children:
+            code = child.proc.poll()
+            if code is None or child.reported:
+                continue
+            child.reported = True
+            # Once a stop is under way (asked for, or caused by an earlier death) exits are ours.
+            if self.phase not in ("draining", "stopping-worker", "done"):
+                if self.bar is not None:
+                    self.bar.finish()
+                when = " while loading the model" if self.phase == "loading" and not child.gateway else ""
+                print(f"lmserve serve: {child.name} (pid {child.proc.pid}) {describe_exit(code)}{when}; "
+                      "stopping the others", file=sys.stderr, flush=True)
+                self.exit_code = self.exit_code or (code if code > 0 else 1)
+                self._begin_stop()
+
+    def _advance(self) -> None:
+        now = time.monotonic()
+        if self.phase == "starting":
+            self._probe_gateways(now)
+        elif self.phase == "draining":
+            gateways = [c for c in self.children if c.gateway and c.alive]
+            if gateways and now < self.deadline:
+                return
+            for child in gateways:  # past --drain-timeout and then some: stop waiting
+                child.signal(signal.SIGKILL)
+            worker = self.children[0]
+            worker.signal(signal.SIGTERM)
+            self.phase, self.deadline = "stopping-worker", now + WORKER_STOP_WAIT
+        elif self.phase == "stopping-worker":
+            if any(c.alive for c in self.children) and now < self.deadline:
+                return
+            self._kill_all()
+            self.phase = "done"
+
+    # --- readiness ----------------------------------------------------------------------------
+
+    def _probe_gateways(self, now: float) -> None:
+        """Ready when every gateway has answered /health with 200 (the kernel spreads new
+        connections over the processes sharing the port), or a while after the first did."""
+        status, gateway = health(self.args)
+        if status == 200:
+            self.seen_gateways.add(gateway)
+            if not self.deadline:
+                self.deadline = now + GATEWAYS_READY_WAIT
+        if len(self.seen_gateways) >= self.args.gateways or (self.deadline and now >= self.deadline):
+            self.phase = "serving"
+            plural = "s" if self.args.gateways > 1 else ""
+            print(f"lmserve serve: {self.model_id} ready on {url_of(self.args)} "
+                  f"({self.args.gateways} gateway{plural}, worker {self.args.worker}); Ctrl-C stops",
+                  flush=True)
+
+    # --- stopping -----------------------------------------------------------------------------
+
+    def _begin_stop(self) -> None:
+        if self.bar is not None:
+            self.bar.finish()
+        for child in self.children:
+            if child.gateway:
+                child.signal(signal.SIGTERM)
+        self.phase = "draining"
+        self.deadline = time.monotonic() + self.args.drain_timeout + 5.0
+
+    def _kill_all(self) -> None:
+        for child in self.children:
+            child.signal(signal.SIGKILL)
+        for child in self.children:
+            try:
+                child.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def request_stop(self, signum: int, _frame: object) -> None:
+        self.stop_requests += 1
+
+
+def connect_host(args: argparse.Namespace) -> str:
+    """Where this machine reaches the gateways: a wildcard bind is reached on loopback."""
+    if args.host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if args.host == "::":
+        return "::1"
+    return args.host
+
+
+def url_of(args: argparse.Namespace) -> str:
+    host = args.host if args.host not in ("0.0.0.0", "::", "") else connect_host(args)
+    return f"http://[{host}]:{args.port}" if ":" in host else f"http://{host}:{args.port}"
+
+
+def health(args: argparse.Namespace, timeout: float = 2.0) -> tuple[int, str]:
+    """(status of GET /health, the answering gateway's id); (0, "") when nothing answers."""
+    host = connect_host(args)
+    # On a non-loopback bind with --allow-host the Host guard accepts only those names.
+    host_header = args.allow_host[0] if args.allow_host and not is_loopback(args.host) else host
+    connection = http.client.HTTPConnection(host, args.port, timeout=timeout)
+    try:
+        connection.request("GET", "/health", headers={"Host": host_header})
+        response = connection.getresponse()
+        response.read()
+        return response.status, response.getheader(GATEWAY_HEADER, "")
+    except OSError:
+        return 0, ""
+    finally:
+        connection.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     flags.check_worker_flags(parser, args)
+    if args.gateways < 1:
+        parser.error("--gateways must be at least 1")
+    if args.conns < 1 or args.max_body < 1:
+        parser.error("--conns and --max-body must be positive")
     from shared.default_model import default_model_path
-    model = args.model or str(default_model_path())
-    endpoint = args.worker or _free_tcp_endpoint()
-    python = [sys.executable, "-m", "shared.cli"]
-    children: dict[str, subprocess.Popen] = {}
-    worker_cmd = python + ["worker", model, "--worker", endpoint, "--ctx", str(args.ctx),
-                           "--queue", str(args.queue), "--batch", str(args.batch),
-                           "--kv-slots", str(args.kv_slots), "--prefill-chunk", str(args.prefill_chunk),
-                           "--heartbeat-timeout", str(args.heartbeat_timeout)]
-    children["worker"] = subprocess.Popen(worker_cmd)
-    if importlib.util.find_spec("gateway.main") is not None:
-        for i in range(args.gateways):
-            children[f"gateway {i + 1}"] = subprocess.Popen(
-                python + ["gateway", "--worker", endpoint, "--host", args.host, "--port", str(args.port)])
-    else:
-        print(f"lmserve serve: worker on {endpoint} (no HTTP gateway in this build)", file=sys.stderr)
-
-    stopping = False
-
-    def forward(signum, _frame):
-        nonlocal stopping
-        stopping = True
-        for child in children.values():
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
-    exit_code = 0
-    while children:
-        for name, child in list(children.items()):
-            code = child.poll()
-            if code is None:
-                continue
-            del children[name]
-            if not stopping:
-                print(f"lmserve serve: {name} exited with code {code}; stopping the others", file=sys.stderr)
-                exit_code = code or 1
-                forward(signal.SIGTERM, None)
-        time.sleep(0.1)
-    return exit_code
+    args.model = args.model or str(default_model_path())
+    args.worker = args.worker or _free_tcp_endpoint()
+    if not args.kv_store and not args.kv_cache_dir:
+        from shared.default_model import cache_dir
+        args.kv_cache_dir = str(cache_dir() / "kv")  # the embedded kvstore: a directory
+    stack = Stack(args)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stack.request_stop)
+    stack.start()
+    return stack.run()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from shared.errors import (
 from shared.protocol import (
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
+    HELLO_FIRST,
     PROTOCOL_VERSION,
     Abort,
     Accepted,
@@ -55,8 +56,13 @@ class ProtocolVersionError(LmserveError):
 
 class WorkerClient:
     def __init__(self, endpoint: str, heartbeat_interval: float = HEARTBEAT_INTERVAL,
-                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT, name: str | None = None):
+                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT, name: str | None = None,
+                 max_buffered: int = 4096):
         self.endpoint = endpoint
+        # Replies a request may hold unread before its reader is deemed hopelessly behind and
+        # the request is cut off; the worker never waits for a slow reader.
+        self.max_buffered = max_buffered
+        self._cut: set[str] = set()
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
@@ -121,6 +127,19 @@ class WorkerClient:
         try:
             await self._send(request)
             first = await queue.get()
+            if isinstance(first, Rejected) and first.kind == HELLO_FIRST:
+                # A new worker instance that has not heard our HELLO yet: greet it, then resend.
+                self._lost("the worker restarted; greeting the new one")
+                await self._send(Hello(PROTOCOL_VERSION, self.name))
+                try:
+                    await asyncio.wait_for(self._ready.wait(), self.heartbeat_timeout)
+                except TimeoutError:
+                    finished = True
+                    raise WorkerUnavailableError("the worker restarted and did not answer HELLO")
+                while not queue.empty():
+                    queue.get_nowait()  # the failure _lost() queued for us
+                await self._send(request)
+                first = await queue.get()
             if isinstance(first, LmserveError):
                 finished = True
                 raise first
@@ -153,10 +172,10 @@ class WorkerClient:
             # No await in here: this runs while the caller is being cancelled (client gone),
             # and the ABORT must still go out, so it goes out on a task of its own.
             self._pending.pop(rid, None)
-            if not finished and self._socket is not None:
-                task = asyncio.get_running_loop().create_task(self._send_quietly(Abort(rid)))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+            if rid in self._cut:
+                self._cut.discard(rid)  # its ABORT went out when it was cut
+            elif not finished and self._socket is not None:
+                self._send_in_background(Abort(rid))
 
     async def _send_quietly(self, message: Message) -> None:
         try:
@@ -188,9 +207,28 @@ class WorkerClient:
                 self.version_error = message.message
                 log.error("%s", message.message)
             else:
-                queue = self._pending.get(getattr(message, "request_id", ""))
-                if queue is not None:
-                    queue.put_nowait(message)
+                rid = getattr(message, "request_id", "")
+                queue = self._pending.get(rid)
+                if queue is None or rid in self._cut:
+                    continue
+                if queue.qsize() >= self.max_buffered:
+                    self._cut_off(rid, queue)
+                    continue
+                queue.put_nowait(message)
+
+    def _cut_off(self, rid: str, queue: asyncio.Queue) -> None:
+        """Drop a request whose reader fell too far behind: free the worker, end the stream."""
+        self._cut.add(rid)
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(LmserveError(
+            f"the client read the stream too slowly ({self.max_buffered} replies unread); it was cut off"))
+        self._send_in_background(Abort(rid))
+
+    def _send_in_background(self, message: Message) -> None:
+        task = asyncio.get_running_loop().create_task(self._send_quietly(message))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _on_card(self, card: ModelCard) -> None:
         if card.version != PROTOCOL_VERSION:

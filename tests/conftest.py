@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -70,19 +71,23 @@ class WorkerProcess(ChildProcess):
         self.log_path = log_path
         self.args = [sys.executable, "-m", "shared.cli", "worker", str(model), "--worker", self.endpoint, *flags]
 
-    def wait_ready(self, timeout: float = 120) -> None:
+    def card(self, timeout: float = 30):
+        """The MODEL_CARD the worker sends a connecting gateway."""
         from shared.worker_client import WorkerClient
 
-        async def probe() -> None:
+        async def ask():
             client = WorkerClient(self.endpoint)
             await client.start()
             try:
-                await client.wait_ready(timeout)
+                return await client.wait_ready(timeout)
             finally:
                 await client.close()
 
+        return asyncio.run(ask())
+
+    def wait_ready(self, timeout: float = 120) -> None:
         try:
-            asyncio.run(probe())
+            self.card(timeout)
         except TimeoutError:
             raise RuntimeError(f"worker did not get ready; log:\n{self.log_path.read_text()[-3000:]}")
 
@@ -149,6 +154,51 @@ def start_gateway(tmp_path_factory) -> Iterator:
     yield start
     for gateway in started:
         gateway.stop()
+
+
+class RedisProcess(ChildProcess):
+    """A real redis-server (Debian's package) on a loopback port, nothing persisted."""
+
+    def __init__(self, log_path: Path, workdir: Path):
+        self.port = free_port()
+        self.log_path = log_path
+        self.args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "no", "--dir", str(workdir)]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def wait_ready(self, timeout: float = 20) -> None:
+        import redis
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if client.ping():
+                    return
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.1)
+        raise RuntimeError(f"redis-server did not start; log:\n{self.log_path.read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="session")
+def start_redis(tmp_path_factory) -> Iterator:
+    """Factory: start_redis() -> a ready RedisProcess, stopped at session end."""
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed (Debian package redis-server; .ci/run installs it)")
+    started: list[RedisProcess] = []
+
+    def start() -> RedisProcess:
+        workdir = tmp_path_factory.mktemp("redis")
+        server = RedisProcess(workdir / "redis.log", workdir).start()
+        started.append(server)
+        server.wait_ready()
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

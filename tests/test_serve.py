@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import pty
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import psutil
 import pytest
-
 from conftest import REPO, free_port
 
 
@@ -63,3 +65,140 @@ def test_ctrl_c_stops_every_child(served):
     assert proc.wait(30) == 0
     gone, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, f"orphaned: {alive}"
+
+
+# --- the stack's life cycle: progress, readiness, shutdown, dying children ------------------
+
+class Served:
+    """``lmserve serve`` as a child, its stdout and stderr collected as they come (stderr on a
+    pseudo-terminal when ``tty``, so the progress bar is drawn)."""
+
+    def __init__(self, *flags: str, tty: bool = False):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.stdout: list[str] = []
+        self.stderr = bytearray()
+        err_read, err_write = pty.openpty() if tty else os.pipe()
+        self.proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--port", str(self.port), *flags],
+                                     cwd=REPO, stdout=subprocess.PIPE, stderr=err_write, text=True)
+        os.close(err_write)
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, args=(err_read,), daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        for line in self.proc.stdout:
+            self.stdout.append(line)
+
+    def _read_stderr(self, fd: int) -> None:
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # a pty reports EIO once every writer has gone
+                chunk = b""
+            if not chunk:
+                os.close(fd)
+                return
+            self.stderr += chunk
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while not any("ready on" in line for line in self.stdout):
+            assert self.proc.poll() is None, f"lmserve serve exited:\n{self.stderr.decode(errors='replace')[-3000:]}"
+            assert time.monotonic() < deadline, "lmserve serve did not get ready"
+            time.sleep(0.1)
+
+    def children(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def role_pids(self, role: str) -> set[int]:
+        return {c.pid for c in self.children() if role in c.cmdline()[3:5]}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def serve_factory():
+    started: list[Served] = []
+
+    def start(*flags: str, tty: bool = False) -> Served:
+        served = Served(*flags, tty=tty)
+        started.append(served)
+        return served
+
+    yield start
+    for served in started:
+        leftovers = served.children() if served.proc.poll() is None else []
+        served.stop()
+        for child in leftovers:  # never leave a stack behind, whatever the test did
+            if child.is_running():
+                child.kill()
+
+
+def test_two_gateways_a_progress_bar_and_a_drained_shutdown(serve_factory, default_model):
+    served = serve_factory("--gateways", "2", "--drain-timeout", "120", tty=True)
+    served.wait_ready()
+    stderr = served.stderr.decode(errors="replace")
+    assert "loading SmolLM2" in stderr and "100%" in stderr and "#" * 30 in stderr  # the bar, drawn full
+    assert f"ready on {served.url} (2 gateways" in "".join(served.stdout)
+
+    # both gateway processes share the port and name themselves in every answer
+    gateways = served.role_pids("gateway")
+    assert len(gateways) == 2
+    answered: set[int] = set()
+    for _ in range(200):
+        response = httpx.get(served.url + "/health", timeout=10)
+        assert response.status_code == 200
+        answered.add(int(response.headers["x-lmserve-gateway"].rsplit(":", 1)[1]))
+        if answered == gateways:
+            break
+    assert answered == gateways
+
+    # Ctrl-C while a stream is in flight: the stream still ends properly, then everything stops
+    children = served.children()
+    body = {"messages": [{"role": "user", "content": "Tell me about Paris."}], "max_tokens": 24,
+            "stream": True, "logit_bias": {"0": -100, "2": -100}}  # no early end-of-turn
+    with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, timeout=120) as response:
+        lines = response.iter_lines()
+        while '"content":"' not in (line := next(lines)) or '"content":""' in line:
+            pass  # wait for the first generated token
+        served.proc.send_signal(signal.SIGINT)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in rest[-2] or '"finish_reason":"length"' in rest[-3]
+    assert served.proc.wait(60) == 0
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, f"orphaned: {alive}"
+
+
+def test_a_dying_child_stops_the_stack_and_is_named(serve_factory, default_model):
+    served = serve_factory("--gateways", "2")
+    served.wait_ready()
+    children = served.children()
+    (worker,) = served.role_pids("worker")
+    os.kill(worker, signal.SIGKILL)
+    assert served.proc.wait(60) == 1
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive
+    assert f"the worker (pid {worker}) was killed by SIGKILL; stopping the others" in served.stderr.decode()
+
+
+def test_children_do_not_outlive_a_killed_parent(serve_factory, default_model):
+    served = serve_factory()
+    served.wait_ready()
+    children = served.children()
+    assert len(children) == 2
+    served.proc.kill()  # no chance to clean up: the children must notice by themselves
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"orphaned: {alive}"
+
+
+def test_a_model_that_cannot_load_ends_the_command_with_the_reason(serve_factory, tmp_path):
+    served = serve_factory(str(tmp_path / "missing.gguf"))
+    assert served.proc.wait(60) == 2
+    time.sleep(0.2)  # the reader thread drains the last bytes
+    stderr = served.stderr.decode()
+    assert "model file not found" in stderr
+    assert "the worker (pid" in stderr and "exited with code 2 while loading the model" in stderr

@@ -17,6 +17,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +35,10 @@ from shared.protocol import (
 from shared.sampling_params import SamplingParams
 from worker.engine.engine import Engine
 from worker.engine.sampling import Sampler
+from worker.grammar import GrammarEngine
 from worker.kv_slots import Slot, SlotPool
+from worker.kv_spill import KVSpiller
+from worker.scripted import ScriptedReplies
 
 log = logging.getLogger("lmserve.worker")
 
@@ -48,6 +52,7 @@ class SchedulerSettings:
     batch: int = 1  # streams decoded together
     kv_slots: int = 1  # resident caches (at least batch)
     prefill_chunk: int = 256  # prompt tokens per step while others decode
+    scripted_replies: ScriptedReplies | None = None  # tests only: replay given tokens (worker/scripted.py)
 
 
 @dataclass
@@ -63,6 +68,8 @@ class Stream:
     cached: int = 0
     completion: int = 0
     aborted: bool = False
+    matcher: Any = None  # an llguidance matcher when the request carries a grammar
+    grammar_active: bool = False  # False while a reasoning block must end first
 
     @property
     def key(self) -> tuple[bytes, str]:
@@ -70,10 +77,16 @@ class Stream:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, settings: SchedulerSettings, send: Sender):
+    def __init__(self, engine: Engine, settings: SchedulerSettings, send: Sender,
+                 spiller: KVSpiller | None = None, grammar: GrammarEngine | None = None):
         self.engine = engine
         self.settings = settings
         self.send = send
+        self.spiller = spiller
+        self.grammar = grammar
+        # requests whose grammar finished compiling, to be admitted by the IO thread
+        self.compiled: deque[tuple[bytes, Stream, Any]] = deque()
+        self.wake_io: Callable[[], None] = lambda: None  # set by the server
         self.pool = SlotPool(engine.model, max(settings.kv_slots, settings.batch), settings.ctx)
         self.lock = threading.Lock()
         self.wakeup = threading.Event()
@@ -93,6 +106,40 @@ class Scheduler:
         except InvalidRequestError as exc:
             self.send(gateway, Rejected(rid, exc.status, exc.kind, exc.message))
             return
+        except Exception as exc:  # a request must never take the IO thread down with it
+            log.exception("could not admit %s", rid)
+            self.send(gateway, Rejected(rid, 400, "invalid_request_error", f"the request could not be admitted: {exc}"))
+            return
+        if request.grammar is not None:
+            # compile off the IO thread; the IO thread admits it when done (admit_compiled)
+            future = self.grammar.compile_matcher(request.grammar)
+            future.add_done_callback(lambda done: self._on_compiled(gateway, stream, done))
+            return
+        self._enqueue(gateway, stream)
+
+    def _on_compiled(self, gateway: bytes, stream: Stream, future) -> None:
+        self.compiled.append((gateway, stream, future))
+        self.wake_io()
+
+    def admit_compiled(self) -> None:
+        """IO thread: answer the requests whose grammar compiled (or failed to)."""
+        while self.compiled:
+            gateway, stream, future = self.compiled.popleft()
+            rid = stream.request.request_id
+            try:
+                stream.matcher = future.result()
+            except InvalidRequestError as exc:
+                self.send(gateway, Rejected(rid, exc.status, exc.kind, exc.message))
+                continue
+            except Exception as exc:
+                log.exception("compiling the grammar of %s failed", rid)
+                self.send(gateway, Rejected(rid, 400, "invalid_request_error", f"the grammar could not be compiled: {exc}"))
+                continue
+            stream.grammar_active = not stream.request.grammar_after_reasoning
+            self._enqueue(gateway, stream)
+
+    def _enqueue(self, gateway: bytes, stream: Stream) -> None:
+        rid = stream.request.request_id
         with self.lock:
             if stream.key in self.streams:
                 self.send(gateway, Rejected(rid, 400, "invalid_request_error",
@@ -139,6 +186,15 @@ class Scheduler:
         self.stopping = True
         self.wakeup.set()
 
+    def spill_resident(self) -> None:
+        """On shutdown: keep what every idle slot holds, so a restarted worker can restore it."""
+        if self.spiller is None:
+            return
+        for slot in self.pool.slots:
+            if not slot.busy and slot.cache.length:
+                self.spiller.spill(slot.cache)
+        self.spiller.close()
+
     def _validate(self, gateway: bytes, request: Generate) -> Stream:
         prompt = request.prompt
         n_vocab = self.engine.model.hp.n_vocab
@@ -153,13 +209,17 @@ class Scheduler:
             raise InvalidRequestError(
                 f"prompt is too long: {len(prompt)} tokens > {self.settings.ctx - 1} maximum "
                 f"(the context budget --ctx is {self.settings.ctx} tokens, prompt and completion together)")
-        if request.grammar is not None:
+        if request.grammar is not None and self.grammar is None:
             raise InvalidRequestError("constrained decoding (grammar) is not available in this worker")
+        if request.grammar is not None and not isinstance(request.grammar, dict):
+            raise InvalidRequestError("grammar must be a map with kind and source")
         if request.cartridge_ids:
             raise InvalidRequestError("cartridges are not available in this worker")
         params = request.sampling_params()  # raises InvalidRequestError on bad values
         stop_ids = set(request.stop_ids) if request.stop_ids is not None else set(self.engine.tokenizer.stop_ids)
-        return Stream(gateway, request, params, Sampler(params, prompt), stop_ids)
+        script = self.settings.scripted_replies
+        sampler = script.sampler(params, prompt) if script is not None else Sampler(params, prompt)
+        return Stream(gateway, request, params, sampler, stop_ids)
 
     # --- the engine thread ------------------------------------------------------------------------
 
@@ -173,16 +233,27 @@ class Scheduler:
             self._step()
 
     def _admit(self) -> None:
-        with self.lock:
-            while self.waiting and len(self.running) < self.settings.batch:
+        while True:
+            with self.lock:
+                if not self.waiting or len(self.running) >= self.settings.batch:
+                    return
                 stream = self.waiting[0]
                 choice = self.pool.acquire(stream.request.prompt, stream.request.cache_hint)
                 if choice is None:
-                    break
+                    return
                 self.waiting.popleft()
                 stream.slot = choice.slot
-                stream.cached = choice.reused_tokens
-                stream.pending = list(stream.request.prompt[choice.reused_tokens:])
+            # restoring reads the kvstore: done outside the lock so admission answers never wait
+            cached = choice.reused_tokens
+            if self.spiller is not None:
+                try:
+                    cached = self.spiller.restore(stream.slot.cache, stream.request.prompt, cached)
+                except Exception:
+                    log.exception("restoring KV for %s failed; computing it instead", stream.request.request_id)
+                    stream.slot.cache.truncate(choice.reused_tokens)
+            stream.cached = cached
+            stream.pending = list(stream.request.prompt[cached:])
+            with self.lock:
                 self.running.append(stream)
 
     def _step(self) -> None:
@@ -203,6 +274,7 @@ class Scheduler:
             return
         results = self._forward(batch)
         self.steps += 1
+        sampling: list[tuple[Stream, np.ndarray]] = []
         for (stream, tokens), logits in zip(batch, results):
             if logits is None:
                 continue  # already finished with an error
@@ -210,7 +282,24 @@ class Scheduler:
                 del stream.pending[:len(tokens)]
                 if stream.pending:
                     continue  # more prompt to read before the first token
-            self._emit(stream, logits)
+            sampling.append((stream, logits))
+        masks = self._masks([s for s, _ in sampling])
+        for stream, logits in sampling:
+            self._emit(stream, logits, masks.get(id(stream)))
+
+    def _masks(self, streams: list[Stream]) -> dict[int, np.ndarray]:
+        """One bitmask computation for every constrained stream of this step."""
+        constrained = [s for s in streams if s.matcher is not None and s.grammar_active]
+        if not constrained:
+            return {}
+        try:
+            rows = self.grammar.masks([s.matcher for s in constrained])
+        except Exception as exc:
+            log.exception("computing grammar masks failed")
+            for stream in constrained:
+                self._finish(stream, FinishReason.ERROR, f"the grammar failed: {exc}")
+            return {}
+        return {id(stream): row for stream, row in zip(constrained, rows)}
 
     def _forward(self, batch: list[tuple[Stream, list[int]]]) -> list[np.ndarray | None]:
         """One weight pass for the batch; if it fails, retry each stream alone so only the
@@ -232,10 +321,12 @@ class Scheduler:
                 results.append(None)
         return results
 
-    def _emit(self, stream: Stream, logits: np.ndarray) -> None:
+    def _emit(self, stream: Stream, logits: np.ndarray, allowed: np.ndarray | None = None) -> None:
         request = stream.request
+        if stream not in self.running:
+            return  # ended while its mask was computed
         try:
-            token = stream.sampler.sample(logits)
+            token = stream.sampler.sample(logits, allowed)
         except Exception as exc:
             log.exception("sampling failed for %s", request.request_id)
             self._finish(stream, FinishReason.ERROR, f"sampling failed: {exc}")
@@ -247,7 +338,17 @@ class Scheduler:
             [token.logprob] if wants_logprobs else None,
             [[[i, lp] for i, lp in token.top_logprobs]] if stream.params.top_logprobs else None,
             stream.cached if stream.completion == 1 else None))
-        if token.token_id in stream.stop_ids:
+        grammar_done = False
+        if stream.matcher is not None and token.token_id not in stream.stop_ids:
+            if stream.grammar_active:
+                if not stream.matcher.consume_token(token.token_id):
+                    self._finish(stream, FinishReason.ERROR,
+                                 f"the grammar matcher failed: {stream.matcher.get_error() or 'token refused'}")
+                    return
+                grammar_done = stream.matcher.is_stopped()  # nothing but end-of-turn may follow
+            elif token.token_id == self.grammar.think_close:
+                stream.grammar_active = True  # the reasoning block ended: the grammar starts now
+        if token.token_id in stream.stop_ids or grammar_done:
             self._finish(stream, FinishReason.STOP)
         elif stream.completion >= request.max_tokens:
             self._finish(stream, FinishReason.LENGTH)
@@ -263,6 +364,11 @@ class Scheduler:
             self.streams.pop(stream.key, None)
         if stream.slot is not None:
             self.pool.release(stream.slot)
+            if self.spiller is not None and reason != FinishReason.ERROR:
+                try:
+                    self.spiller.spill(stream.slot.cache)
+                except Exception:
+                    log.exception("spilling KV of %s failed", stream.request.request_id)
         self.send(stream.gateway, Finished(
             stream.request.request_id, reason.value, len(stream.request.prompt), stream.cached,
             stream.completion, error))

@@ -21,6 +21,7 @@ import zmq
 from shared.protocol import (
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
+    HELLO_FIRST,
     PROTOCOL_VERSION,
     Abort,
     Generate,
@@ -34,6 +35,8 @@ from shared.protocol import (
     version_mismatch_message,
 )
 from worker.engine.engine import Engine
+from worker.grammar import GrammarEngine
+from worker.kv_spill import KVSpiller
 from worker.scheduler import Scheduler, SchedulerSettings
 
 log = logging.getLogger("lmserve.worker")
@@ -45,6 +48,7 @@ class WorkerSettings:
     scheduler: SchedulerSettings = None  # type: ignore[assignment]
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     heartbeat_timeout: float = HEARTBEAT_TIMEOUT
+    spiller: KVSpiller | None = None
 
     def __post_init__(self) -> None:
         if self.scheduler is None:
@@ -64,8 +68,12 @@ class WorkerServer:
         self.outbox = self.context.socket(zmq.PULL)
         self.outbox.bind(self.outbox_address)
         self._thread_local = threading.local()
-        self.scheduler = Scheduler(engine, settings.scheduler, self._send_from_any_thread)
+        self.grammar = GrammarEngine(engine.tokenizer, engine.model.hp.n_vocab)
+        self.scheduler = Scheduler(engine, settings.scheduler, self._send_from_any_thread, settings.spiller,
+                                   self.grammar)
+        self.scheduler.wake_io = self._wake_io
         self.gateways: dict[bytes, float] = {}  # identity -> last time heard from
+        self.greeted: set[bytes] = set()  # gateways that said HELLO to this instance
         self.stopping = threading.Event()
         self.instance = uuid.uuid4().hex
         self.card = self._model_card()
@@ -79,7 +87,8 @@ class WorkerServer:
             chat_template=engine.template.source if engine.template else None,
             fingerprint=engine.fingerprint, instance=self.instance,
             capabilities={"batch": sched.batch, "kv_slots": max(sched.kv_slots, sched.batch),
-                          "queue": sched.queue, "grammar": False, "reasoning": False,
+                          "queue": sched.queue, "grammar": True, "reasoning": False,
+                          "kvstore": self.settings.spiller.store.describe() if self.settings.spiller else None,
                           "tool_convention": None, "worker": f"{socket.gethostname()}:{os.getpid()}"})
 
     # Messages from the IO thread go straight out; from any other thread, through the outbox.
@@ -87,13 +96,20 @@ class WorkerServer:
         if threading.current_thread() is threading.main_thread() or getattr(self._thread_local, "io", False):
             self.router.send_multipart([identity, *message.frames()])
             return
+        self._push_socket().send_multipart([identity, *message.frames()])
+
+    def _wake_io(self) -> None:
+        """From another thread: have the IO thread look at the scheduler's compiled requests."""
+        self._push_socket().send_multipart([b"", b"compiled"])
+
+    def _push_socket(self) -> zmq.Socket:
         push = getattr(self._thread_local, "push", None)
         if push is None:
             push = self.context.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
             push.connect(self.outbox_address)
             self._thread_local.push = push
-        push.send_multipart([identity, *message.frames()])
+        return push
 
     def serve_forever(self) -> None:
         self._thread_local.io = True
@@ -114,20 +130,27 @@ class WorkerServer:
                                 frames = self.outbox.recv_multipart(zmq.NOBLOCK)
                             except zmq.Again:
                                 break
-                            self.router.send_multipart(frames)
+                            if frames[0] == b"":  # a wake-up, not a message for a gateway
+                                self.scheduler.admit_compiled()
+                            else:
+                                self.router.send_multipart(frames)
                     else:
                         while True:
                             try:
                                 frames = self.router.recv_multipart(zmq.NOBLOCK)
                             except zmq.Again:
                                 break
-                            self._handle(frames[0], frames[1:])
+                            try:
+                                self._handle(frames[0], frames[1:])
+                            except Exception:  # one bad message must not stop the worker
+                                log.exception("handling a message from %r failed", frames[0])
                 if time.monotonic() >= next_beat:
                     self._heartbeat()
                     next_beat = time.monotonic() + self.settings.heartbeat_interval
         finally:
             self.scheduler.stop()
             engine_thread.join(timeout=10)
+            self.scheduler.spill_resident()
             self.router.close(0)
             self.outbox.close(0)
 
@@ -145,8 +168,14 @@ class WorkerServer:
                     version_mismatch_message(PROTOCOL_VERSION, message.version, "worker")).frames()])
                 return
             log.info("gateway %s connected", message.gateway or identity.hex())
+            self.greeted.add(identity)
             self.router.send_multipart([identity, *self.card.frames()])
         elif isinstance(message, Generate):
+            if identity not in self.greeted:
+                self.router.send_multipart([identity, *Rejected(
+                    message.request_id, 503, HELLO_FIRST,
+                    "this worker has not been greeted by your gateway (it restarted); say HELLO first").frames()])
+                return
             self.scheduler.submit(identity, message)
         elif isinstance(message, Abort):
             self.scheduler.abort(identity, message.request_id)
@@ -162,6 +191,7 @@ class WorkerServer:
         for identity, last_seen in list(self.gateways.items()):
             if now - last_seen > self.settings.heartbeat_timeout:
                 del self.gateways[identity]
+                self.greeted.discard(identity)
                 ended = self.scheduler.abort_gateway(identity)
                 log.warning("gateway %s went silent; ended its %d request(s)", identity.hex(), ended)
                 continue

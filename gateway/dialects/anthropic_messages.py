@@ -11,11 +11,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import json
 import secrets
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from gateway import sse
+from gateway import sse, tool_calls
 from gateway.dialects.common import max_tokens_field, new_id, stop_list
 from gateway.errors import ANTHROPIC, sse_error_payload
 from gateway.generation import Completion
@@ -27,6 +28,8 @@ from gateway.neutral import (
     ReasoningDelta,
     Started,
     TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
     Usage,
 )
 from gateway.prompting import ModelView
@@ -57,6 +60,7 @@ TEXT_ONLY_BLOCKS = ("image", "document")
 # change the prompt's first tokens on every request and defeat prefix reuse in the KV cache.
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 
+TOOL_USE_ID_PREFIX = "toolu_"
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence",
                 "tool_calls": "tool_use", "context": "model_context_window_exceeded"}
 
@@ -75,7 +79,8 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
 def count_tokens(body: dict[str, Any], view: ModelView, headers: Any) -> int:
     """The prompt length a generation with this body would have (same parse, same rendering)."""
     request = _parse(body, view, headers, counting=True)
-    return len(view.prompt_ids(request.messages, request.tools, request.reasoning, request.prefill))
+    declared = tool_calls.plan(view, request, refuse_forced=False).declared
+    return len(view.prompt_ids(request.messages, declared, request.reasoning, request.prefill))
 
 
 def _parse(body: dict[str, Any], view: ModelView, headers: Any, counting: bool) -> NeutralRequest:
@@ -380,6 +385,8 @@ def render(request: NeutralRequest, view: ModelView, completion: Completion) -> 
                         "signature": _signature(completion.reasoning_text)})
     if completion.content:
         content.append({"type": "text", "text": completion.content})
+    content += [{"type": "tool_use", "id": TOOL_USE_ID_PREFIX + call.call_id, "name": call.name,
+                 "input": json.loads(call.arguments_json)} for call in completion.calls]
     return {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": request.model,
             "content": content, **_stop_fields(finish), "usage": _usage(finish.usage)}
 
@@ -387,7 +394,7 @@ def render(request: NeutralRequest, view: ModelView, completion: Completion) -> 
 async def stream(request: NeutralRequest, view: ModelView, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
     """The §1.6 sequence: message_start, ping, one content block at a time (thinking, then text,
     each opened at its first delta), message_delta with the totals, message_stop."""
-    open_kind: str | None = None  # the block being streamed: "thinking" | "text" | None
+    open_kind: str | None = None  # the block being streamed: "thinking" | "text" | "tool_use" | None
     index = -1
     thinking: list[str] = []
 
@@ -406,12 +413,13 @@ async def stream(request: NeutralRequest, view: ModelView, events: AsyncIterator
         open_kind = None
         return out
 
-    def open_block(kind: str) -> list[bytes]:
+    def open_block(kind: str, block: dict[str, Any] | None = None) -> list[bytes]:
         nonlocal open_kind, index
         out = close_block()
         index += 1
         open_kind = kind
-        block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
+        if block is None:
+            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
         out.append(emit("content_block_start", {"index": index, "content_block": block}))
         return out
 
@@ -441,6 +449,13 @@ async def stream(request: NeutralRequest, view: ModelView, events: AsyncIterator
                     for chunk in open_block("text"):
                         yield chunk
                 yield emit("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": event.text}})
+            elif isinstance(event, ToolCallStart):
+                block = {"type": "tool_use", "id": TOOL_USE_ID_PREFIX + event.call_id, "name": event.name, "input": {}}
+                for chunk in open_block("tool_use", block):
+                    yield chunk
+            elif isinstance(event, ToolCallArgumentsDelta):
+                yield emit("content_block_delta", {"index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": event.json_fragment}})
             elif isinstance(event, Ping):
                 yield emit("ping", {})
             elif isinstance(event, Finish):

@@ -25,6 +25,8 @@ from gateway.neutral import (
     Ping,
     ReasoningDelta,
     TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
     Usage,
 )
 from gateway.prompting import ModelView
@@ -50,8 +52,11 @@ IGNORED = {
     "moderation",
 }
 REJECTED = {"functions", "function_call"}  # the pre-tools calling style
+CALL_ID_PREFIX = "call_"
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal",
                   "reasoning_content", "reasoning", "function_call", "audio"}
+
+TOOL_CHOICES = ("none", "auto", "required")
 
 FINISH_REASONS = {"stop": "stop", "stop_sequence": "stop", "length": "length", "context": "length",
                   "tool_calls": "tool_calls", "error": "stop"}
@@ -107,7 +112,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         sampling=sampling,
         stop=stop_list(body.get("stop"), "stop"),
         tools=[_tool(t, i) for i, t in enumerate(field(body, "tools", list, default=[]))],
-        tool_choice=body.get("tool_choice", "auto"),
+        tool_choice=_tool_choice(body.get("tool_choice", "auto")),
         parallel_tool_calls=bool(field(body, "parallel_tool_calls", bool, default=True)),
         reasoning=reasoning_from_effort(effort, view, "reasoning_effort", reject_unsupported=True),
         stream=stream,
@@ -167,6 +172,16 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
+def _tool_choice(choice: Any) -> Any:
+    check_type(choice, (str, dict), "tool_choice")
+    if isinstance(choice, str) and choice not in TOOL_CHOICES:
+        raise InvalidRequestError(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or an object, "
+                                  f"got {choice!r}", param="tool_choice")
+    if isinstance(choice, dict):
+        field(choice, "type", str, "tool_choice", required=True)
+    return choice
+
+
 # --- rendering ------------------------------------------------------------------------------
 
 def _usage(usage: Usage) -> dict[str, Any]:
@@ -180,6 +195,11 @@ def render(request: NeutralRequest, view: ModelView, completion: Completion) -> 
     finish = completion.finish
     assert finish is not None
     message: dict[str, Any] = {"role": "assistant", "content": completion.content, "refusal": None}
+    if completion.calls:
+        message["tool_calls"] = [{"id": CALL_ID_PREFIX + call.call_id, "type": "function",
+                                  "function": {"name": call.name, "arguments": call.arguments_json}}
+                                 for call in completion.calls]
+        message["content"] = completion.content or None  # a reply of calls only has no content
     if completion.reasoning_text:
         message["reasoning_content"] = message["reasoning"] = completion.reasoning_text
     logprobs = ({"content": logprob_entries(completion.logprobs), "refusal": None}
@@ -206,6 +226,14 @@ async def stream(request: NeutralRequest, view: ModelView, events: AsyncIterator
                 yield chunk({"content": event.text})
             elif isinstance(event, ReasoningDelta):
                 yield chunk({"reasoning_content": event.text, "reasoning": event.text})
+            elif isinstance(event, ToolCallStart):
+                # The SDK wants id, type and name on a call's first delta, and function on every one.
+                yield chunk({"tool_calls": [{"index": event.index, "id": CALL_ID_PREFIX + event.call_id,
+                                             "type": "function",
+                                             "function": {"name": event.name, "arguments": ""}}]})
+            elif isinstance(event, ToolCallArgumentsDelta):
+                yield chunk({"tool_calls": [{"index": event.index,
+                                             "function": {"arguments": event.json_fragment}}]})
             elif isinstance(event, LogprobsDelta) and request.sampling.logprobs:
                 yield chunk({}, logprobs={"content": logprob_entries(event.items), "refusal": None})
             elif isinstance(event, Ping):

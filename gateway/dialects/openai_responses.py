@@ -12,10 +12,11 @@ Decisions a client may notice:
   the model thinks comes back raw, as ``reasoning_text`` content of a ``reasoning`` item, and
   ``summary`` is always null in the echo.
 - Tools. Function tools reach the chat template; members of ``namespace`` tools are flattened into
-  the same list (the member's own name, qualified as ``namespace.member`` only on a clash), and
-  the map back to {namespace, name} is kept for the tool-calling path. ``custom`` (freeform) tools
-  are accepted and kept aside. Hosted tools (web_search, file_search, mcp, ...) cannot run here
-  and are skipped without failing.
+  the same list (the member's own name, qualified as ``namespace.member`` only on a clash), and a
+  call of one is answered as ``{name: member, namespace}``. ``custom`` (freeform) tools are shown
+  to the model as a function of one string, ``input``; a call of one comes back as a
+  ``custom_tool_call`` item with that input. Hosted tools (web_search, file_search, mcp, ...)
+  cannot run here and are skipped without failing.
 - ``text.format`` json_object / json_schema are refused until constrained decoding lands.
 - ``truncation`` is accepted but the prompt is never cut: one beyond the context budget is a 400
   with code ``context_length_exceeded``.
@@ -50,6 +51,9 @@ from gateway.neutral import (
     Ping,
     ReasoningDelta,
     TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
     Usage,
 )
 from gateway.prompting import ModelView
@@ -78,6 +82,9 @@ TEXT_PARTS = ("input_text", "output_text")
 SKIPPED_ITEMS = {"item_reference", "compaction", "compaction_trigger"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 INCOMPLETE_REASONS = {"length", "context"}  # both mean the output budget ran out
+CUSTOM_INPUT = "input"
+CUSTOM_TOOL_PARAMETERS = {"type": "object", "properties": {CUSTOM_INPUT: {"type": "string"}},
+                          "required": [CUSTOM_INPUT]}
 
 
 # --- parsing --------------------------------------------------------------------------------
@@ -98,8 +105,13 @@ class _ToolSet:
             self.declared.append((namespace, {key: tool[key] for key in ("name", "description", "parameters", "strict")
                                               if tool.get(key) is not None}))
         elif kind == "custom":
-            field(tool, "name", str, where, required=True)
+            name = field(tool, "name", str, where, required=True)
             self.custom.append({**tool, "namespace": namespace} if namespace else dict(tool))
+            # The model calls a freeform tool like a function of one string, its input.
+            function: dict[str, Any] = {"name": name, "parameters": CUSTOM_TOOL_PARAMETERS}
+            if tool.get("description"):
+                function["description"] = tool["description"]
+            self.declared.append((namespace, function))
         elif kind == "namespace" and namespace is None:
             outer = field(tool, "name", str, where, required=True)
             for j, member in enumerate(field(tool, "tools", list, where, required=True)):
@@ -123,6 +135,10 @@ class _ToolSet:
         """Flattened name -> {namespace, name}, for returning a call inside its namespace."""
         return {self.flat_name(function["name"], namespace): {"namespace": namespace, "name": function["name"]}
                 for namespace, function in self.declared if namespace is not None}
+
+    def custom_names(self) -> list[str]:
+        """Flattened names of the freeform tools, whose calls come back as custom_tool_call items."""
+        return [self.flat_name(tool["name"], tool.get("namespace")) for tool in self.custom]
 
 
 def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest:
@@ -209,7 +225,8 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         reasoning=reasoning,
         stream=bool(field(body, "stream", bool, default=False)),
         cache_hint=cache_key,
-        extra={"echo": echo, "custom_tools": tools.custom, "namespaced_tools": tools.namespaced()},
+        extra={"echo": echo, "custom_tools": tools.custom, "namespaced_tools": tools.namespaced(),
+               "custom_tool_names": tools.custom_names()},
     )
 
 
@@ -264,11 +281,12 @@ def _history(items: list[Any], tools: _ToolSet) -> list[dict[str, Any]]:
         elif kind in ("function_call", "custom_tool_call"):
             name = field(item, "name", str, where, required=True)
             call_id = field(item, "call_id", str, where, required=True)
+            name = tools.flat_name(name, field(item, "namespace", str, where))
             if kind == "function_call":
                 arguments: Any = _arguments(field(item, "arguments", str, where, default="{}"))
-                name = tools.flat_name(name, field(item, "namespace", str, where))
             else:
-                arguments = field(item, "input", str, where, default="")  # freeform text, shown verbatim
+                # shown as the model was told to call it: a function of one string
+                arguments = {CUSTOM_INPUT: field(item, "input", str, where, default="")}
             assistant_turn().setdefault("tool_calls", []).append(
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
         elif kind in ("function_call_output", "custom_tool_call_output"):
@@ -350,6 +368,30 @@ def _item(kind: str, item_id: str, status: str, parts: list[dict[str, Any]]) -> 
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": parts}
 
 
+def _call_item(request: NeutralRequest, call_id: str, name: str, arguments_json: str | None,
+               status: str) -> dict[str, Any]:
+    """A call as its output item (arguments_json None: not known yet). A namespace member is
+    answered under its own name with its namespace, a freeform tool as a custom_tool_call."""
+    place = request.extra["namespaced_tools"].get(name)
+    item: dict[str, Any]
+    if name in request.extra["custom_tool_names"]:
+        item = {"id": "ctc_" + call_id, "type": "custom_tool_call", "call_id": "call_" + call_id,
+                "name": name, "input": "" if arguments_json is None else _custom_input(arguments_json)}
+    else:
+        item = {"id": "fc_" + call_id, "type": "function_call", "call_id": "call_" + call_id, "name": name,
+                "arguments": arguments_json or "", "status": status}
+    if place is not None:
+        item.update(name=place["name"], namespace=place["namespace"])
+    return item
+
+
+def _custom_input(arguments_json: str) -> str:
+    arguments = json.loads(arguments_json)
+    text = arguments.get(CUSTOM_INPUT)
+    # A model that ignored the one-string shape still gets its call through, as the JSON it wrote.
+    return text if isinstance(text, str) and len(arguments) == 1 else arguments_json
+
+
 def _terminal_status(finish: Finish) -> str:
     if finish.reason == "error":
         return "failed"
@@ -380,10 +422,12 @@ def render(request: NeutralRequest, view: ModelView, completion: Completion) -> 
     if completion.reasoning_text:
         output.append(_item("reasoning", new_id("rs_"), item_status,
                             [_part("reasoning", completion.reasoning_text)]))
-    if completion.content or not output:
+    if completion.content or not (output or completion.calls):
         logprobs = logprob_entries(completion.logprobs) if request.sampling.logprobs else []
         output.append(_item("message", new_id("msg_"), item_status,
                             [_part("message", completion.content, logprobs)]))
+    output += [_call_item(request, call.call_id, call.name, call.arguments_json, "completed")
+               for call in completion.calls]
     return _response(request, new_id("resp_"), int(time.time()), status, output, finish.usage)
 
 
@@ -406,6 +450,7 @@ class _ResponseStream:
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.open: _OpenItem | None = None
+        self.calls: dict[int, tuple[int, dict[str, Any]]] = {}  # call index -> (output index, added item)
 
     def event(self, kind: str, **payload: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **payload}
@@ -458,6 +503,33 @@ class _ResponseStream:
         return [text_done, self.event("response.content_part.done", **where, part=part),
                 self.event("response.output_item.done", output_index=item.index, item=done)]
 
+    def call_start(self, call: ToolCallStart) -> list[bytes]:
+        # A call arrives whole (start, fragments, end in a row), so it is the next item in order.
+        out = self.close("completed")
+        item = _call_item(self.request, call.call_id, call.name, None, "in_progress")
+        self.calls[call.index] = (len(self.output), item)
+        return out + [self.event("response.output_item.added", output_index=len(self.output), item=item)]
+
+    def call_delta(self, delta: ToolCallArgumentsDelta) -> list[bytes]:
+        index, started = self.calls[delta.index]
+        if started["type"] != "function_call":
+            return []  # a freeform tool's input is only known whole, at the end
+        return [self.event("response.function_call_arguments.delta", item_id=started["id"], output_index=index,
+                           delta=delta.json_fragment)]
+
+    def call_end(self, call: ToolCallEnd) -> list[bytes]:
+        index, started = self.calls[call.index]
+        item = _call_item(self.request, call.call_id, call.name, call.arguments_json, "completed")
+        where = {"item_id": started["id"], "output_index": index}
+        if item["type"] == "function_call":
+            out = [self.event("response.function_call_arguments.done", **where, arguments=item["arguments"],
+                              name=item["name"])]
+        else:
+            out = [self.event("response.custom_tool_call_input.delta", **where, delta=item["input"]),
+                   self.event("response.custom_tool_call_input.done", **where, input=item["input"])]
+        self.output.append(item)
+        return out + [self.event("response.output_item.done", output_index=index, item=item)]
+
     def finish(self, finish: Finish) -> list[bytes]:
         status = _terminal_status(finish)
         item_status = "completed" if status == "completed" else "incomplete"
@@ -488,6 +560,12 @@ async def stream(request: NeutralRequest, view: ModelView, events: AsyncIterator
                 logprobs = []
             elif isinstance(event, ReasoningDelta):
                 chunks = response.delta("reasoning", event.text, [])
+            elif isinstance(event, ToolCallStart):
+                chunks = response.call_start(event)
+            elif isinstance(event, ToolCallArgumentsDelta):
+                chunks = response.call_delta(event)
+            elif isinstance(event, ToolCallEnd):
+                chunks = response.call_end(event)
             elif isinstance(event, LogprobsDelta) and request.sampling.logprobs:
                 logprobs += logprob_entries(event.items)
             elif isinstance(event, Ping):

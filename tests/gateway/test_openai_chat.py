@@ -129,3 +129,36 @@ def test_prompt_beyond_the_context_is_context_length_exceeded(client):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 3000}])
     assert error.value.code == "context_length_exceeded"
     assert "maximum context length is 2048 tokens" in error.value.message
+
+
+def test_long_prefill_sends_keep_alives_before_the_first_token(stack):
+    # a fresh ~1,400-token prompt (no cached prefix) takes several ping intervals (0.5 s) to read
+    words = " ".join(f"w{i}x{i * 7919 % 10007}" for i in range(200))
+    body = {"model": "m", "messages": [{"role": "user", "content": words}], "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", stack.url + "/v1/chat/completions", json=body, timeout=120) as response:
+        lines = [line for line in response.iter_lines() if line]
+    first_content = next(i for i, line in enumerate(lines) if line.startswith("data: {") and "\"role\"" not in line)
+    assert any(line == ": keep-alive" for line in lines[:first_content]), lines[:first_content + 1]
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_any_64_bit_seed_works_and_a_larger_one_is_a_400(client, stack):
+    negative = client.chat.completions.create(model="m", messages=PARIS, temperature=1.0, seed=-5, max_tokens=3)
+    assert negative.usage.completion_tokens == 3
+    too_big = httpx.post(stack.url + "/v1/chat/completions", timeout=30,
+                         json={"model": "m", "messages": PARIS, "seed": 2**64, "max_tokens": 2})
+    assert too_big.status_code == 400 and "64 bits" in too_big.json()["error"]["message"]
+    # the worker is still serving
+    assert client.chat.completions.create(model="m", messages=PARIS, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_x_api_key_on_chat_still_gets_openai_errors(stack):
+    response = httpx.post(stack.url + "/v1/chat/completions", json={"model": "m", "messages": "x"},
+                          headers={"x-api-key": "k"}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_refusal_parts_in_history_are_read(client):
+    history = PARIS + [{"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+                       {"role": "user", "content": "Please?"}]
+    assert client.chat.completions.create(model="m", messages=history, max_tokens=2).usage.completion_tokens == 2

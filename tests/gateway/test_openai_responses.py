@@ -26,7 +26,6 @@ from gateway.neutral import (
 )
 from gateway.prompting import ModelView
 from shared.errors import ContextOverflowError, WorkerUnavailableError
-from shared.worker_client import WorkerClient
 
 QUESTION = "Which city is the capital of France?"
 TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
@@ -260,15 +259,7 @@ def test_stored_responses_do_not_exist(client):
 @pytest.fixture(scope="module")
 def view(stack_worker) -> ModelView:
     """The model as a gateway sees it, from the shared worker's own card."""
-    async def card():
-        client = WorkerClient(stack_worker.endpoint)
-        await client.start()
-        try:
-            return await client.wait_ready(30)
-        finally:
-            await client.close()
-
-    return ModelView.from_card(asyncio.run(card()))
+    return ModelView.from_card(stack_worker.card())
 
 
 def render_stream(view: ModelView, events: list[Any], **body: Any) -> bytes:
@@ -366,7 +357,8 @@ def test_codex_history_folds_into_template_messages(view):
     request = openai_responses.parse(body, view, {})
     names = [tool["function"]["name"] for tool in request.tools]
     # The namespace member clashes with a plain tool of the same name, so it is qualified.
-    assert names == ["exec_command", "mcp__files__.read_file", "read_file", "update_plan"]
+    # The freeform apply_patch is shown to the model as a function of one string.
+    assert names == ["exec_command", "mcp__files__.read_file", "apply_patch", "read_file", "update_plan"]
     assert request.extra["namespaced_tools"] == {
         "mcp__files__.read_file": {"namespace": "mcp__files__", "name": "read_file"}}
     assert [tool["name"] for tool in request.extra["custom_tools"]] == ["apply_patch"]

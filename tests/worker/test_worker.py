@@ -11,6 +11,7 @@ import textwrap
 import time
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 from conftest import REPO, run
@@ -321,3 +322,61 @@ def test_a_dead_worker_fails_in_flight_requests_and_a_new_one_is_found(start_wor
     first, second, finished = run(go())
     assert first != second
     assert finished.reason == "length"
+
+
+def test_a_reader_that_falls_behind_is_cut_off_and_frees_the_worker(batch_worker):
+    async def go():
+        client = WorkerClient(batch_worker.endpoint, max_buffered=8)
+        await client.start()
+        await client.wait_ready(60)
+        try:
+            stream = client.generate(Generate(client.new_request_id(), [1, 2, 3], {"temperature": 1.0, "seed": 0},
+                                              500, stop_ids=[]))
+            assert isinstance(await stream.__anext__(), Accepted)
+            await asyncio.sleep(3)  # read nothing while the worker produces
+            with pytest.raises(Exception, match="too slowly"):
+                async for _ in stream:
+                    pass
+            for _ in range(50):
+                await asyncio.sleep(0.2)
+                if client.worker_load == (0, 0):
+                    break
+            return client.worker_load
+        finally:
+            await client.close()
+    assert run(go()) == (0, 0)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(batch_worker):
+    """The worker runs --prefill-chunk 256: a 1,500-token prompt needs 6 steps, and the stream
+    already decoding gets a token in each of them before the long one's first token."""
+    async def go():
+        client = await _client(batch_worker.endpoint)
+        try:
+            order: list[str] = []
+            started = asyncio.Event()
+
+            async def runner():
+                request = Generate(client.new_request_id(), [1, 2, 3], {"temperature": 1.0, "seed": 2}, 120, stop_ids=[])
+                async for message in client.generate(request):
+                    if isinstance(message, Tokens):
+                        order.append("short")
+                        started.set()
+
+            async def long_one():
+                await started.wait()
+                prompt = np.random.default_rng(9).integers(100, 40000, 1500).tolist()
+                request = Generate(client.new_request_id(), prompt, {"temperature": 0.0}, 2)
+                async for message in client.generate(request):
+                    if isinstance(message, Accepted):
+                        order.append("accepted")
+                    elif isinstance(message, Tokens):
+                        order.append("long")
+
+            await asyncio.gather(runner(), long_one())
+            return order
+        finally:
+            await client.close()
+    order = run(go())
+    between = order[order.index("accepted"):order.index("long")]
+    assert between.count("short") >= 4, order

@@ -58,8 +58,9 @@ class Engine:
     metadata: dict = field(repr=False, default_factory=dict)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Engine":
-        gguf = GGUFFile(path)
+    def load(cls, path: str | os.PathLike, on_progress: Callable[[int, int], None] | None = None) -> "Engine":
+        """on_progress(bytes read, bytes in all tensors) is called as the weights are read."""
+        gguf = GGUFFile(path, on_progress)
         model = load_model(gguf)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         source = gguf.metadata.get("tokenizer.chat_template")
@@ -137,7 +138,7 @@ def _fingerprint(gguf: GGUFFile, model: DecoderModel) -> str:
     hp = model.hp
     digest = hashlib.sha256()
     stat = os.stat(gguf.path)
-    digest.update(f"{os.path.basename(gguf.path)}:{stat.st_size}".encode())
+    digest.update(f"{stat.st_size}".encode())  # content, not the path: copies share cached KV
     with open(gguf.path, "rb") as fh:  # head and tail of the file stand in for its content
         digest.update(fh.read(1 << 20))
         fh.seek(max(0, stat.st_size - (1 << 20)))

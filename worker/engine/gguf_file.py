@@ -12,9 +12,11 @@ Everything that can go wrong with a file (missing, truncated, not GGUF, a tensor
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,8 +119,13 @@ class _Header:
 class GGUFFile:
     """A GGUF model file opened for reading. Tensors are dequantized on request."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, on_progress: Callable[[int, int], None] | None = None):
         self.path = os.fspath(path)
+        # Loading dequantizes every tensor once, which is most of a model's start-up time:
+        # on_progress(bytes read, bytes in all tensors) lets a caller show how far along it is.
+        self.on_progress = on_progress
+        self._read: set[str] = set()
+        self.bytes_read = 0
         if not os.path.isfile(self.path):
             raise ModelLoadError(f"model file not found: {self.path}")
         size = os.path.getsize(self.path)
@@ -214,4 +221,14 @@ class GGUFFile:
             ) from exc
         if not np.all(np.isfinite(array)):
             raise ModelLoadError(f"tensor {name!r} in {self.path} holds NaN or infinite values")
+        if name not in self._read:
+            self._read.add(name)
+            self.bytes_read += info.n_bytes
+            if self.on_progress is not None:
+                self.on_progress(self.bytes_read, self.total_bytes)
         return array
+
+    @functools.cached_property
+    def total_bytes(self) -> int:
+        known = GGMLQuantizationType._value2member_map_
+        return sum(info.n_bytes for info in self._tensors.values() if info.type_id in known)

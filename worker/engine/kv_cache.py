@@ -77,6 +77,31 @@ class KVCache:
         mismatch = np.nonzero(held != wanted)[0]
         return int(mismatch[0]) if mismatch.size else limit
 
+    def export(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of positions [start, start+count) of every layer: keys [L, K, n, d], values [L, K, n, dv]."""
+        end = start + count
+        if end > self.length:
+            raise ValueError(f"positions up to {end} asked for, {self.length} held")
+        return (np.stack([k[:, start:end] for k in self.keys]),
+                np.stack([v[:, start:end] for v in self.values]))
+
+    def restore(self, start: int, keys: np.ndarray, values: np.ndarray, token_ids: list[int]) -> None:
+        """Put positions [start, start+n) back from ``export``-shaped arrays; they become valid
+        and everything after them is forgotten."""
+        count = keys.shape[2]
+        if start > self.length or len(token_ids) != count:
+            raise ValueError("a restored run must continue the valid prefix, one id per position")
+        self.truncate(start)
+        self.reserve(count)
+        for layer in range(self.n_layer):
+            self.keys[layer][:, start:start + count] = keys[layer]
+            self.values[layer][:, start:start + count] = values[layer]
+        self.commit(token_ids)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.n_layer * self.n_kv_head * (self.head_dim + self.value_dim) * 4
+
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))

@@ -28,7 +28,8 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, prompt_tokens: list[int] | None = None):
         self.params = params
-        self.rng = np.random.default_rng(params.seed)
+        # any 64-bit seed, negative ones included, names one reproducible stream
+        self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
         self.recent: list[int] = list(prompt_tokens or [])[-params.repetition_window:]
         self.generated = Counter()
 

@@ -1,0 +1,1125 @@
+"""lmserve and llama.cpp's server side by side: the same GGUF, the same requests, one run.
+
+    python -m bench.serve [--repeats 3] [--quick] [--model MODEL.gguf]
+    python -m bench.serve --url lmserve=http://127.0.0.1:8080     (drive a running server)
+
+Both servers are started by the harness, one at a time (never together: they would share the
+cores), and restarted for every repeat so that each repeat starts cold and the repeats of the two
+servers interleave (a burst of load from elsewhere then hits both, not one):
+
+* lmserve: ``lmserve serve MODEL --ctx N --batch 8 --kv-slots 8`` from this venv, with BLAS
+  threads set to --threads;
+* llama.cpp: ``python -m llama_cpp.server`` from the ``llama-cpp-python`` package in its own venv
+  (--peer-venv; the first existing of /work/peer-venv and .bench-venv/, else .bench-venv/ is
+  created and the package built from source, which takes a long time, 15-30 minutes on 2 cores),
+  with --n_threads/--n_threads_batch set to --threads, the same context, flash attention off
+  (the package's default), no per-prompt-token logits (logits_all off: the default keeps a
+  n_ctx x n_vocab float array) and requests queued instead of interrupting each other.
+  This server runs one request at a time: it has no parallel slots, so "the same parallelism"
+  means the same offered load, which it serializes.
+
+Every request streams. Time to first token (TTFT) is measured to the first chunk that carries
+content (a bare role chunk does not count); inter-token latency (ITL) is the gap between
+content chunks; decode tokens/s per stream is (tokens - 1) / (last chunk - first chunk);
+aggregate tokens/s is all streams' tokens over the wall time of the whole batch. Streams that
+must have an exact length have every end-of-turn and control token biased away (logit_bias
+-100), and the harness checks that each one produced exactly max_tokens.
+
+Scenarios:
+
+1. ``short``: a short prompt + 256 generated tokens, at concurrency 1, 4 and 8;
+2. ``long cold``: a fresh 2,000-token prompt (nothing of it cached) + 32 tokens;
+3. ``next turn``: that conversation's next turn, whose prefix the server may have cached;
+4. ``claude-code``: a Claude-Code-shaped session through ``/v1/messages`` (a ~16k-token system
+   prompt with tool schemas, a tool round trip, then several turns), only on servers that serve
+   ``/v1/messages`` (llama-cpp-python's server does not).
+
+Peak memory is the largest sum of RSS over the server's process tree, sampled every 100 ms.
+Every figure is min / median / max over the repeats (each repeat's value is the median over its
+streams); the ratio is lmserve's median over llama.cpp's. Results go to
+``bench/results/serve.json`` and ``bench/results/serve.png`` (the chart needs matplotlib:
+``pip install -e '.[bench]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import functools
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+LMSERVE = "lmserve"
+PEER = "llama.cpp"
+SERVERS = (LMSERVE, PEER)
+
+PEER_PACKAGE = "llama-cpp-python"
+PEER_VERSION = "0.3.36"
+# GCC 12 miscompiles llama.cpp's AMX int8 matmul (SIGILL in every prompt evaluation on
+# Sapphire Rapids); building without AMX int8 avoids it.
+PEER_CMAKE_ARGS = "-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8"
+PEER_SERVER_DEPS = ("uvicorn>=0.22", "fastapi>=0.100", "pydantic-settings>=2.0.1", "sse-starlette>=1.6.1",
+                    "starlette-context>=0.3.6,<0.4", "PyYAML>=5.1")
+PEER_VENV_CANDIDATES = (Path("/work/peer-venv"), REPO / ".bench-venv")
+# What llama.cpp's server does for one 256-token stream of the default model on 2 cores of a
+# Sapphire Rapids (AMX) machine; a figure far below it means the peer is misbuilt or starved.
+PEER_SINGLE_STREAM_EXPECTED = (108.0, 142.0)
+
+LOWER, HIGHER = "lower", "higher"
+
+
+# --- statistics and the table (pure) -------------------------------------------------------
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation; values must not be empty."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass(frozen=True)
+class Spread:
+    min: float
+    median: float
+    max: float
+    n: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"min": self.min, "median": self.median, "max": self.max, "n": self.n}
+
+
+def spread(values: Iterable[float | None]) -> Spread | None:
+    """min / median / max of the values that are present; None if there are none."""
+    present = [float(v) for v in values if v is not None]
+    if not present:
+        return None
+    return Spread(min(present), statistics.median(present), max(present), len(present))
+
+
+def ratio(ours: Spread | None, theirs: Spread | None) -> float | None:
+    """lmserve's median over the peer's, when both exist and the peer's is not zero."""
+    if ours is None or theirs is None or theirs.median == 0:
+        return None
+    return ours.median / theirs.median
+
+
+@dataclass
+class Row:
+    """One figure of the table: its per-repeat values for every server."""
+    scenario: str
+    metric: str
+    unit: str
+    better: str  # LOWER or HIGHER
+    values: dict[str, list[float]] = field(default_factory=dict)
+    note: dict[str, str] = field(default_factory=dict)  # per server: why a figure is missing
+
+    @property
+    def label(self) -> str:
+        return f"{self.scenario}: {self.metric} ({self.unit})"
+
+    def spread(self, server: str) -> Spread | None:
+        return spread(self.values.get(server, []))
+
+    def ratio(self) -> float | None:
+        return ratio(self.spread(LMSERVE), self.spread(PEER))
+
+
+def _number(value: float) -> str:
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def format_cell(s: Spread | None, note: str = "") -> str:
+    """``median (min-max)``, or the note (or ``n/a``) when the figure is missing."""
+    if s is None:
+        return note or "n/a"
+    if s.n == 1 or s.min == s.max:
+        return _number(s.median)
+    return f"{_number(s.median)} ({_number(s.min)}-{_number(s.max)})"
+
+
+def format_ratio(r: float | None) -> str:
+    return "" if r is None else f"{r:.2f}x"
+
+
+def table_rows(rows: Sequence[Row], servers: Sequence[str] = SERVERS) -> list[list[str]]:
+    """Header and body cells; the ratio column only when both servers are in the table."""
+    both = LMSERVE in servers and PEER in servers
+    header = ["figure", *(f"{s} median (min-max)" for s in servers), *([f"ratio {LMSERVE}/{PEER}"] if both else []),
+              "better"]
+    body = [[row.label, *(format_cell(row.spread(s), row.note.get(s, "")) for s in servers),
+             *([format_ratio(row.ratio())] if both else []), row.better] for row in rows]
+    return [header, *body]
+
+
+def format_text_table(rows: Sequence[Row], servers: Sequence[str] = SERVERS) -> str:
+    """A fixed-width table for the terminal."""
+    cells = table_rows(rows, servers)
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
+    lines = []
+    for n, line in enumerate(cells):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_markdown_table(rows: Sequence[Row], servers: Sequence[str] = SERVERS) -> str:
+    """The same table in Markdown (for the README)."""
+    cells = table_rows(rows, servers)
+    lines = ["| " + " | ".join(cells[0]) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cells[0]) - 2) + ["---"]) + "|"]
+    lines += ["| " + " | ".join(line) + " |" for line in cells[1:]]
+    return "\n".join(lines)
+
+
+def results_json(rows: Sequence[Row], meta: dict[str, Any], servers: Sequence[str] = SERVERS) -> dict[str, Any]:
+    """The JSON document written to bench/results/serve.json."""
+    out_rows = []
+    for row in rows:
+        per_server: dict[str, Any] = {}
+        for s in servers:
+            sp = row.spread(s)
+            per_server[s] = {"values": list(row.values.get(s, [])), **(sp.as_dict() if sp else {}),
+                             **({"note": row.note[s]} if s in row.note else {})}
+        out_rows.append({"scenario": row.scenario, "metric": row.metric, "unit": row.unit, "better": row.better,
+                         "servers": per_server, "ratio": row.ratio()})
+    return {"format": 1, "meta": meta, "servers": list(servers), "rows": out_rows,
+            "markdown": format_markdown_table(rows, servers)}
+
+
+# --- streaming clients ---------------------------------------------------------------------
+
+@dataclass
+class StreamResult:
+    started: float  # perf_counter at request start
+    chunk_times: list[float] = field(default_factory=list)  # perf_counter of each content chunk
+    ended: float = 0.0
+    tokens: int | None = None  # completion tokens as the server reported them
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    text: str = ""
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.started if self.chunk_times else None
+
+    def output_tokens(self, max_tokens: int | None = None) -> int:
+        """Reported usage; else max_tokens when the stream ended on length; else content chunks."""
+        if self.tokens is not None:
+            return self.tokens
+        if max_tokens is not None and self.finish_reason in ("length", "max_tokens"):
+            return max_tokens
+        return len(self.chunk_times)
+
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+    def decode_rate(self, max_tokens: int | None = None) -> float | None:
+        n = self.output_tokens(max_tokens)
+        if len(self.chunk_times) < 2 or n < 2:
+            return None
+        span = self.chunk_times[-1] - self.chunk_times[0]
+        return (n - 1) / span if span > 0 else None
+
+
+class SseParser:
+    """Server-sent events, one line at a time: ``feed`` returns (event name, data) when one ends."""
+
+    def __init__(self) -> None:
+        self.event: str | None = None
+        self.data: list[str] = []
+
+    def feed(self, line: str) -> tuple[str | None, str] | None:
+        line = line.rstrip("\r")
+        if line == "":
+            if not self.data:
+                self.event = None
+                return None
+            done = (self.event, "\n".join(self.data))
+            self.event, self.data = None, []
+            return done
+        if line.startswith(":"):
+            return None  # a comment: keep-alive pings
+        if line.startswith("event:"):
+            self.event = line[6:].strip()
+        elif line.startswith("data:"):
+            self.data.append(line[5:].lstrip(" "))
+        return None
+
+    def close(self) -> tuple[str | None, str] | None:
+        return self.feed("")
+
+
+def apply_chat_chunk(result: StreamResult, payload: dict[str, Any], now: float) -> None:
+    """Fold one Chat Completions stream chunk into the result."""
+    if payload.get("error"):
+        raise RuntimeError(f"stream error: {payload['error']}")
+    for choice in payload.get("choices") or []:
+        delta = choice.get("delta") or {}
+        text = delta.get("content") or delta.get("reasoning_content") or ""
+        if text or delta.get("tool_calls"):
+            result.chunk_times.append(now)
+            result.text += text
+        if choice.get("finish_reason"):
+            result.finish_reason = choice["finish_reason"]
+    usage = payload.get("usage")
+    if usage:
+        result.tokens = usage.get("completion_tokens")
+        result.prompt_tokens = usage.get("prompt_tokens")
+        result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+
+
+def apply_messages_event(result: StreamResult, event: str | None, payload: dict[str, Any], now: float) -> None:
+    """Fold one Anthropic Messages stream event into the result."""
+    kind = payload.get("type", event)
+    if kind == "error":
+        raise RuntimeError(f"stream error: {payload.get('error')}")
+    if kind == "message_start":
+        usage = (payload.get("message") or {}).get("usage") or {}
+        result.cached_tokens = usage.get("cache_read_input_tokens")
+        if usage.get("input_tokens") is not None:
+            result.prompt_tokens = usage["input_tokens"] + (result.cached_tokens or 0)
+    elif kind == "content_block_delta":
+        delta = payload.get("delta") or {}
+        text = delta.get("text") or delta.get("partial_json") or delta.get("thinking") or ""
+        if text:
+            result.chunk_times.append(now)
+            result.text += delta.get("text") or ""
+    elif kind == "message_delta":
+        result.finish_reason = (payload.get("delta") or {}).get("stop_reason")
+        usage = payload.get("usage") or {}
+        if usage.get("output_tokens") is not None:
+            result.tokens = usage["output_tokens"]
+        if usage.get("cache_read_input_tokens") is not None:
+            result.cached_tokens = usage["cache_read_input_tokens"]
+
+
+async def stream_request(client: Any, base_url: str, path: str, body: dict[str, Any]) -> StreamResult:
+    """POST one streaming request and time its chunks (path /v1/chat/completions or /v1/messages)."""
+    messages_api = path.endswith("/messages")
+    headers = {"x-api-key": "bench", "anthropic-version": "2023-06-01"} if messages_api else {}
+    result = StreamResult(started=time.perf_counter())
+    parser = SseParser()
+
+    def handle(event: tuple[str | None, str] | None, now: float) -> bool:
+        if event is None:
+            return False
+        name, data = event
+        if data.strip() == "[DONE]":
+            return True
+        payload = json.loads(data)
+        if messages_api:
+            apply_messages_event(result, name, payload, now)
+        else:
+            apply_chat_chunk(result, payload, now)
+        return False
+
+    async with client.stream("POST", base_url.rstrip("/") + path, json=body, headers=headers) as response:
+        if response.status_code != 200:
+            detail = (await response.aread()).decode("utf-8", "replace")[:500]
+            raise RuntimeError(f"{path} answered {response.status_code}: {detail}")
+        done = False
+        async for line in response.aiter_lines():
+            if handle(parser.feed(line), time.perf_counter()):
+                done = True
+                break
+        if not done:
+            handle(parser.close(), time.perf_counter())
+    result.ended = time.perf_counter()
+    return result
+
+
+async def run_batch(client: Any, base_url: str, path: str, bodies: Sequence[dict[str, Any]]) -> tuple[list[StreamResult], float]:
+    """Start all requests at once; return their results and the batch's wall time."""
+    started = time.perf_counter()
+    results = await asyncio.gather(*(stream_request(client, base_url, path, b) for b in bodies))
+    return list(results), time.perf_counter() - started
+
+
+# --- workloads (synthetic text, deterministic per seed) ------------------------------------
+
+_SUBJECTS = ("the scheduler", "every gateway", "the cache layer", "a background job", "the parser",
+             "our billing service", "the storage node", "each worker", "the retry loop", "the config loader",
+             "the test runner", "a client library", "the index builder", "the metrics exporter")
+_VERBS = ("reads", "rewrites", "validates", "forwards", "compresses", "batches", "logs", "retries",
+          "serializes", "checks", "merges", "splits", "records", "rejects")
+_OBJECTS = ("incoming requests", "the pending queue", "stale entries", "user settings", "partial uploads",
+            "the audit trail", "large payloads", "expired tokens", "the nightly report", "shard boundaries",
+            "duplicate events", "the schema version", "open connections", "rate limits")
+_TAILS = ("before it answers", "once per minute", "when the disk is full", "under heavy load",
+          "after a restart", "only in production", "for every tenant", "without holding a lock",
+          "in a single pass", "when a deadline passes", "as soon as possible", "in the order they arrived")
+_TOPICS = ("a lighthouse keeper", "a robot learning to paint", "the first city on Mars", "a lost violin",
+           "a detective who is a cat", "a glacier that remembers", "a clockmaker's apprentice",
+           "a library that never closes", "two rival bakers", "a map with one missing island")
+
+
+def prose(rng: random.Random, sentences: int) -> str:
+    out = []
+    for _ in range(sentences):
+        s = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}"
+        if rng.random() < 0.3:
+            s += f", and {rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}"
+        out.append(s[0].upper() + s[1:] + ".")
+    return " ".join(out)
+
+
+def sized_text(count: Callable[[str], int], target: int, seed: int, head: str = "") -> str:
+    """``head`` followed by prose, as close to ``target`` tokens as whole sentences allow."""
+    rng = random.Random(seed)
+    text = head
+    while count(text) < target:
+        text = (text + " " if text else "") + prose(rng, max(1, (target - count(text)) // 14))
+    while count(text) > target and ". " in text:
+        text = text[:text.rstrip(".").rfind(". ") + 1]
+    return text
+
+
+def short_prompts(n: int) -> list[str]:
+    return [f"Write a long story about {_TOPICS[i % len(_TOPICS)]}." for i in range(n)]
+
+
+def tool_schemas(rng: random.Random, count: Callable[[str], int], target: int) -> list[dict[str, Any]]:
+    """Tool definitions in Anthropic's shape, about ``target`` tokens as JSON."""
+    names = ("read_file", "write_file", "edit_file", "list_directory", "search_text", "run_command",
+             "fetch_url", "todo_update", "spawn_agent", "notebook_edit", "glob_files", "ask_user",
+             "git_status", "open_browser", "run_tests", "format_code", "lint_code", "deploy_preview")
+    tools: list[dict[str, Any]] = []
+    i = 0
+    while count(json.dumps(tools)) < target:
+        name = names[i % len(names)] + ("" if i < len(names) else f"_{i // len(names)}")
+        props = {f"arg_{k}": {"type": rng.choice(("string", "integer", "boolean")),
+                              "description": prose(rng, 2)} for k in range(rng.randint(2, 5))}
+        tools.append({"name": name, "description": prose(rng, 12),
+                      "input_schema": {"type": "object", "properties": props, "required": list(props)[:1],
+                                       "additionalProperties": False}})
+        i += 1
+    return tools
+
+
+def claude_code_system(count: Callable[[str], int], target: int, seed: int,
+                       session: str = "") -> tuple[str, list[dict[str, Any]]]:
+    """A long system prompt: instructions plus the tool schemas written out; and a few tools."""
+    rng = random.Random(seed)
+    schemas = tool_schemas(rng, count, target * 3 // 5)
+    reference = "\n".join(f"## {t['name']}\n{json.dumps(t, indent=1)}" for t in schemas)
+    rest = max(0, target - count(reference) - 40)
+    rules = sized_text(count, rest, seed + 1, f"Session {session}. You are a coding agent working in the "
+                                              "user's repository.")
+    system = f"{rules}\n\n# Tools\nThe tools below are available; call them by name.\n{reference}"
+    return system, schemas[:4]
+
+
+# --- the servers ---------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_peer_venv(explicit: str | None) -> Path:
+    if explicit:
+        return Path(explicit)
+    for candidate in PEER_VENV_CANDIDATES:
+        if (candidate / "bin" / "python").exists():
+            return candidate
+    return PEER_VENV_CANDIDATES[-1]
+
+
+def ensure_peer(venv: Path) -> Path:
+    """The peer venv's python with llama-cpp-python and its server's dependencies installed."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        print(f"bench.serve: creating {venv} and building {PEER_PACKAGE} {PEER_VERSION} from source "
+              f"(CMAKE_ARGS={PEER_CMAKE_ARGS!r}); this takes a long time (15-30 minutes on 2 cores)",
+              file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    if subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True).returncode != 0:
+        env = {**os.environ, "CMAKE_ARGS": PEER_CMAKE_ARGS, "FORCE_CMAKE": "1"}
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"{PEER_PACKAGE}=={PEER_VERSION}"],
+                       check=True, env=env)
+    if subprocess.run([str(python), "-c", "import llama_cpp.server.app"], capture_output=True).returncode != 0:
+        # The [server] extra's dependencies alone: asking for the extra could rebuild the package.
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *PEER_SERVER_DEPS], check=True)
+    return python
+
+
+@functools.lru_cache(maxsize=None)
+def peer_version(python: Path) -> str:
+    out = subprocess.run([str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+@dataclass
+class ServerSpec:
+    name: str
+    command: list[str]
+    port: int
+    ready_path: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def lmserve_spec(model: str, ctx: int, parallel: int, threads: int) -> ServerSpec:
+    port = free_port()
+    blas = {k: str(threads) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    return ServerSpec(LMSERVE, [sys.executable, "-m", "shared.cli", "serve", model, "--ctx", str(ctx),
+                                "--batch", str(parallel), "--kv-slots", str(parallel), "--port", str(port)],
+                      port, "/health", blas)
+
+
+def peer_spec(python: Path, model: str, ctx: int, threads: int) -> ServerSpec:
+    port = free_port()
+    return ServerSpec(PEER, [str(python), "-m", "llama_cpp.server", "--model", model, "--n_ctx", str(ctx),
+                             "--n_threads", str(threads), "--n_threads_batch", str(threads),
+                             "--host", "127.0.0.1", "--port", str(port), "--logits_all", "False",
+                             "--interrupt_requests", "False", "--verbose", "False"],
+                      port, "/v1/models")
+
+
+class MemorySampler:
+    """Samples the RSS sum of a process tree, and the CPU the rest of the machine uses meanwhile."""
+
+    def __init__(self, pid: int | None, interval: float = 0.1):
+        import psutil
+        self._psutil = psutil
+        self.pid = pid
+        self.interval = interval
+        self.peak = 0
+        self._server_cpu: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._started = 0.0
+        self._busy0 = 0.0
+        self._self0 = 0.0
+        self._server_cpu0: dict[int, float] = {}
+
+    def _busy(self) -> float:
+        t = self._psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+    def _sample(self) -> None:
+        if self.pid is None:
+            return
+        try:
+            root = self._psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except self._psutil.Error:
+            return
+        rss = 0
+        for p in procs:
+            try:
+                rss += p.memory_info().rss
+                times = p.cpu_times()
+                self._server_cpu[p.pid] = times.user + times.system
+            except self._psutil.Error:
+                pass
+        self.peak = max(self.peak, rss)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval)
+
+    def reset_peak(self) -> None:
+        self.peak = 0
+        self._sample()
+
+    def start(self) -> MemorySampler:
+        self._started = time.perf_counter()
+        self._busy0 = self._busy()
+        me = self._psutil.Process().cpu_times()
+        self._self0 = me.user + me.system
+        self._sample()
+        self._server_cpu0 = dict(self._server_cpu)
+        self._thread.start()
+        return self
+
+    def mark(self) -> tuple[float, float, float, float]:
+        """A reading to measure the other processes' CPU use from (see ``other_cores``)."""
+        me = self._psutil.Process().cpu_times()
+        return time.perf_counter(), self._busy(), sum(self._server_cpu.values()), me.user + me.system
+
+    def other_cores(self, since: tuple[float, float, float, float]) -> float | None:
+        """Cores used on average by processes other than the server and this harness since ``since``."""
+        if self.pid is None:
+            return None
+        self._sample()
+        now = self.mark()
+        wall = max(now[0] - since[0], 1e-9)
+        return max(0.0, ((now[1] - since[1]) - (now[2] - since[2]) - (now[3] - since[3])) / wall)
+
+    def stop(self) -> dict[str, float]:
+        """Stop sampling; return the other processes' average CPU use (in cores) and the load average."""
+        self._stop.set()
+        self._thread.join()
+        wall = max(time.perf_counter() - self._started, 1e-9)
+        me = self._psutil.Process().cpu_times()
+        server = sum(self._server_cpu.values()) - sum(self._server_cpu0.values())
+        other = self._busy() - self._busy0 - server - (me.user + me.system - self._self0)
+        if self.pid is None:  # a server we did not start: its CPU cannot be told apart
+            return {"loadavg_1m": os.getloadavg()[0]}
+        return {"other_cores": max(0.0, other / wall), "server_cores": server / wall,
+                "loadavg_1m": os.getloadavg()[0]}
+
+
+def wait_for_quiet(threshold: float, max_wait: float, probe: float = 5.0) -> float:
+    """Wait until the machine's other processes use at most ``threshold`` cores (or max_wait
+    seconds pass); return the last reading. Run between servers, so nothing of ours is busy."""
+    import psutil
+    waited = 0.0
+    while True:
+        busy = psutil.cpu_percent(interval=probe) / 100.0 * (os.cpu_count() or 1)
+        if busy <= threshold or waited >= max_wait:
+            if busy > threshold:
+                print(f"bench.serve:   the machine is still busy ({busy:.2f} cores used by others) after "
+                      f"{waited:.0f} s; measuring anyway", flush=True)
+            return busy
+        if waited == 0:
+            print(f"bench.serve:   other processes use {busy:.2f} cores; waiting up to {max_wait:.0f} s for "
+                  "a quieter machine", flush=True)
+        time.sleep(10)
+        waited += 10 + probe
+
+
+def start_server(spec: ServerSpec, log: Path, timeout: float = 600.0) -> subprocess.Popen:
+    import httpx
+    log.parent.mkdir(parents=True, exist_ok=True)
+    out = open(log, "wb")
+    proc = subprocess.Popen(spec.command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, **spec.env}, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{spec.name} exited with code {proc.returncode} while starting; "
+                               f"log {log}:\n{_tail(log)}")
+        try:
+            if httpx.get(spec.base_url + spec.ready_path, timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_server(proc)
+    raise RuntimeError(f"{spec.name} not ready after {timeout:.0f} s; log {log}:\n{_tail(log)}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+async def serves_messages(client: Any, base_url: str, model: str) -> bool:
+    body = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    response = await client.post(base_url + "/v1/messages", json=body,
+                                 headers={"x-api-key": "bench", "anthropic-version": "2023-06-01"})
+    return response.status_code == 200
+
+
+# --- one server, one repeat ----------------------------------------------------------------
+
+@dataclass
+class Plan:
+    short_tokens: int
+    concurrency: tuple[int, ...]
+    long_prompt: int
+    long_tokens: int
+    cc_system: int
+    cc_turns: int
+    cc_tokens: int
+
+
+FULL = Plan(short_tokens=256, concurrency=(1, 4, 8), long_prompt=2000, long_tokens=32, cc_system=16000,
+            cc_turns=4, cc_tokens=64)
+QUICK = Plan(short_tokens=32, concurrency=(1, 4, 8), long_prompt=500, long_tokens=16, cc_system=3000,
+             cc_turns=2, cc_tokens=16)
+
+
+class Workload:
+    """Requests shared by every server, sized with the model's own tokenizer."""
+
+    def __init__(self, model_path: str, plan: Plan, nonce: int = 0):
+        from shared.chat_template import chat_template_from_metadata
+        from shared.tokenizer import Tokenizer
+        from worker.engine.gguf_file import GGUFFile
+        meta = GGUFFile(model_path).metadata
+        self.tokenizer = Tokenizer.from_gguf_metadata(meta)
+        self.template = chat_template_from_metadata(meta)
+        self.plan = plan
+        self.nonce = nonce  # starts every long prompt, so nothing of it is cached from an earlier run
+        self.no_stop = {str(i): -100 for i in sorted(self.tokenizer.stop_ids | self.tokenizer.special_ids)}
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special=False, parse_special=False))
+
+    def prompt_tokens(self, messages: list[dict[str, Any]]) -> int | None:
+        """The chat prompt's length as the model's own template and tokenizer make it."""
+        if self.template is None:
+            return None
+        return len(self.tokenizer.encode(self.template.render(messages), add_special=True))
+
+    def chat(self, model: str, messages: list[dict[str, Any]], max_tokens: int, exact: bool = True) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                                "stream": True, "stream_options": {"include_usage": True}}
+        if exact:
+            body["logit_bias"] = self.no_stop
+        return body
+
+    def long_conversation(self, seed: int) -> list[dict[str, Any]]:
+        head = f"Session {self.nonce}-{seed}: summarise the operations notes below in three bullet points."
+        return [{"role": "user", "content": sized_text(self.count, self.plan.long_prompt - 20, seed, head)}]
+
+    def claude_code(self, seed: int) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+        system, tools = claude_code_system(self.count, self.plan.cc_system, seed, f"{self.nonce}-{seed}")
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": "Find where the retry loop handles expired tokens and explain it."},
+            {"role": "assistant", "content": [
+                {"type": "text", "text": "I will look at the file first."},
+                {"type": "tool_use", "id": "toolu_bench_1", "name": tools[0]["name"],
+                 "input": {"arg_0": "src/retry.py"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_bench_1",
+                 "content": sized_text(self.count, 400, seed + 7, "src/retry.py:")}]},
+        ]
+        return system, tools, messages
+
+
+@dataclass
+class RepeatFigures:
+    values: dict[str, float | None] = field(default_factory=dict)
+    checks: dict[str, Any] = field(default_factory=dict)
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+async def served_model(client: Any, base_url: str) -> str:
+    response = await client.get(base_url + "/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def run_server_repeat(base_url: str, work: Workload, repeat: int, sampler: MemorySampler | None,
+                            quiet: float = -1.0, quiet_wait: float = 0.0) -> RepeatFigures:
+    """Every scenario once against one server. With a sampler and ``quiet`` >= 0, each scenario
+    first waits (up to quiet_wait s) until other processes use at most ``quiet`` cores."""
+    import httpx
+    plan = work.plan
+    figs = RepeatFigures()
+    chat_path = "/v1/chat/completions"
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0)) as client:
+        model = await served_model(client, base_url)
+        # warm-up: first-request costs (imports, allocations) are not part of any figure
+        await run_batch(client, base_url, chat_path, [work.chat(model, [{"role": "user", "content": "Hello"}], 4)])
+        prompts = short_prompts(max(plan.concurrency))
+        others: dict[str, float | None] = {}
+        figs.checks["other cores per scenario"] = others
+        mark = sampler.mark() if sampler else None
+
+        async def settle() -> None:
+            nonlocal mark
+            if sampler is None or sampler.pid is None or quiet < 0:
+                return
+            waited = 0.0
+            while True:
+                probe = sampler.mark()
+                await asyncio.sleep(3.0)
+                busy = sampler.other_cores(probe) or 0.0
+                if busy <= quiet or waited >= quiet_wait:
+                    break
+                waited += 3.0
+            mark = sampler.mark()
+
+        def note_load(scenario: str) -> None:
+            if sampler is not None and mark is not None:
+                value = sampler.other_cores(mark)
+                others[scenario] = None if value is None else round(value, 2)
+
+        for c in plan.concurrency:
+            await settle()
+            bodies = [work.chat(model, [{"role": "user", "content": p}], plan.short_tokens) for p in prompts[:c]]
+            results, wall = await run_batch(client, base_url, chat_path, bodies)
+            n = plan.short_tokens
+            tokens = [r.output_tokens(n) for r in results]
+            gaps = [g for r in results for g in r.gaps()]
+            key = f"short c={c}"
+            figs.values[f"{key}|ttft"] = _ms(_median(r.ttft for r in results))
+            figs.values[f"{key}|itl"] = _ms(statistics.median(gaps)) if gaps else None
+            figs.values[f"{key}|itl_p95"] = _ms(percentile(gaps, 95)) if gaps else None
+            figs.values[f"{key}|decode"] = _median(r.decode_rate(n) for r in results)
+            figs.values[f"{key}|aggregate"] = sum(tokens) / wall
+            figs.checks[f"{key} exact length"] = all(t == n and r.finish_reason == "length"
+                                                     for t, r in zip(tokens, results))
+            figs.checks[f"{key} tokens"] = tokens
+            figs.checks[f"{key} usage reported"] = all(r.tokens is not None for r in results)
+            note_load(key)
+        # long prompt, cold, then the same conversation's next turn
+        conversation = work.long_conversation(10_000 * (repeat + 1) + 17)
+        await settle()
+        (cold,), _ = await run_batch(client, base_url, chat_path, [work.chat(model, conversation, plan.long_tokens)])
+        prompt_tokens = work.prompt_tokens(conversation)
+        figs.values["long cold|ttft"] = _ms(cold.ttft)
+        figs.values["long cold|prefill"] = prompt_tokens / cold.ttft if prompt_tokens and cold.ttft else None
+        figs.values["long cold|decode"] = cold.decode_rate(plan.long_tokens)
+        figs.checks["long cold prompt tokens"] = {"counted": prompt_tokens, "reported": cold.prompt_tokens}
+        note_load("long cold")
+        conversation += [{"role": "assistant", "content": cold.text},
+                         {"role": "user", "content": "Now list the two riskiest items and say why."}]
+        await settle()
+        (nxt,), _ = await run_batch(client, base_url, chat_path, [work.chat(model, conversation, plan.long_tokens)])
+        figs.values["next turn|ttft"] = _ms(nxt.ttft)
+        figs.values["next turn|decode"] = nxt.decode_rate(plan.long_tokens)
+        figs.checks["next turn prompt tokens"] = {"counted": work.prompt_tokens(conversation),
+                                                  "reported": nxt.prompt_tokens}
+        figs.checks["next turn cached tokens"] = nxt.cached_tokens
+        note_load("next turn")
+        if sampler is not None:
+            figs.values["memory|chat"] = sampler.peak / 2**20
+        # a Claude-Code-shaped session through /v1/messages
+        if await serves_messages(client, base_url, model):
+            system, tools, messages = work.claude_code(repeat)
+            await settle()
+            ttfts, rates, cached = [], [], []
+            for turn in range(plan.cc_turns):
+                body = {"model": model, "max_tokens": plan.cc_tokens, "stream": True, "temperature": 0,
+                        "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+                        "tools": tools, "messages": messages}
+                (r,), _ = await run_batch(client, base_url, "/v1/messages", [body])
+                ttfts.append(r.ttft)
+                rates.append(r.decode_rate())
+                cached.append(r.cached_tokens)
+                if turn == 0:
+                    figs.checks["claude-code prompt tokens"] = r.prompt_tokens
+                messages = messages + [{"role": "assistant", "content": r.text or "(no text)"},
+                                       {"role": "user", "content": prose(random.Random(turn), 4)}]
+            figs.values["claude-code|ttft first"] = _ms(ttfts[0])
+            figs.values["claude-code|ttft later"] = _ms(_median(ttfts[1:]))
+            figs.values["claude-code|decode"] = _median(rates)
+            figs.checks["claude-code cached tokens per turn"] = cached
+            figs.checks["claude-code ttft per turn (ms)"] = [_ms(t) for t in ttfts]
+            note_load("claude-code")
+            if sampler is not None:
+                figs.values["memory|all"] = sampler.peak / 2**20
+        else:
+            figs.checks["claude-code"] = "skipped: no /v1/messages"
+    return figs
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+ROW_SPECS: tuple[tuple[str, str, str, str], ...] = (
+    ("ttft", "time to first token", "ms", LOWER),
+    ("itl", "inter-token latency, median", "ms", LOWER),
+    ("itl_p95", "inter-token latency, p95", "ms", LOWER),
+    ("decode", "decode per stream", "tok/s", HIGHER),
+    ("aggregate", "aggregate", "tok/s", HIGHER),
+)
+OTHER_ROWS: tuple[tuple[str, str, str, str], ...] = (
+    ("long cold|ttft", "time to first token", "ms", LOWER),
+    ("long cold|prefill", "prefill", "tok/s", HIGHER),
+    ("long cold|decode", "decode at that context", "tok/s", HIGHER),
+    ("next turn|ttft", "time to first token", "ms", LOWER),
+    ("next turn|decode", "decode", "tok/s", HIGHER),
+    ("claude-code|ttft first", "time to first token, turn 1 (cold)", "ms", LOWER),
+    ("claude-code|ttft later", "time to first token, later turns", "ms", LOWER),
+    ("claude-code|decode", "decode", "tok/s", HIGHER),
+    ("memory|chat", "peak RSS, chat scenarios", "MiB", LOWER),
+    ("memory|all", "peak RSS, with claude-code", "MiB", LOWER),
+)
+
+
+def scenario_titles(plan: Plan) -> dict[str, str]:
+    return {"long cold": f"{plan.long_prompt}-token prompt, cold", "next turn": "next turn (prefix cached)",
+            "claude-code": f"claude-code /v1/messages (~{plan.cc_system // 1000}k system)", "memory": "server"}
+
+
+def build_rows(plan: Plan, per_server: dict[str, list[RepeatFigures]], notes: dict[str, dict[str, str]]) -> list[Row]:
+    """Turn each server's per-repeat figures into table rows (pure)."""
+    titles = scenario_titles(plan)
+    keys: list[tuple[str, str, str, str, str]] = []
+    for c in plan.concurrency:
+        for metric, label, unit, better in ROW_SPECS:
+            keys.append((f"short c={c}|{metric}", f"short+{plan.short_tokens}, {c} stream{'s' * (c > 1)}",
+                         label, unit, better))
+    for key, label, unit, better in OTHER_ROWS:
+        keys.append((key, titles[key.split("|")[0]], label, unit, better))
+    rows = []
+    for key, scenario, label, unit, better in keys:
+        row = Row(scenario, label, unit, better)
+        for server, repeats in per_server.items():
+            row.values[server] = [v for v in (r.values.get(key) for r in repeats) if v is not None]
+            note = notes.get(server, {}).get(key.split("|")[0])
+            if note and not row.values[server]:
+                row.note[server] = note
+        if any(row.values.values()):
+            rows.append(row)
+    return rows
+
+
+# --- the chart -----------------------------------------------------------------------------
+
+def write_chart(rows: Sequence[Row], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench.serve: matplotlib is missing, so no chart; install it with "
+              "`pip install -e '.[bench]'`", file=sys.stderr)
+        return False
+    groups = [g for g in (("tok/s", "tokens/s (higher is better)", False, 3),
+                          ("ms", "milliseconds (lower is better, log)", True, 3),
+                          ("MiB", "peak RSS MiB (lower is better)", False, 1))
+              if any(r.unit == g[0] for r in rows)]
+    if not groups:
+        return False
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 9), squeeze=False,
+                             gridspec_kw={"width_ratios": [g[3] for g in groups]})
+    axes = axes[0]
+    colors = {LMSERVE: "#3366cc", PEER: "#dd7733"}
+    for ax, (unit, heading, log, _) in zip(axes, groups):
+        chosen = [r for r in rows if r.unit == unit]
+        labels = [f"{r.scenario}\n{r.metric}" for r in chosen]
+        height = 0.38
+        for k, server in enumerate(SERVERS):
+            ys, xs, lo, hi = [], [], [], []
+            for i, r in enumerate(chosen):
+                s = r.spread(server)
+                if s is None:
+                    continue
+                ys.append(i + (k - 0.5) * height)
+                xs.append(s.median)
+                lo.append(s.median - s.min)
+                hi.append(s.max - s.median)
+            ax.barh(ys, xs, height, xerr=[lo, hi], color=colors[server], label=server, capsize=2)
+        ax.set_yticks(range(len(chosen)), labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(heading, fontsize=10)
+        if log:
+            ax.set_xscale("log")
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].legend(loc="lower right")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# --- main ----------------------------------------------------------------------------------
+
+def _git_revision() -> str:
+    out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="GGUF file (default: the default model)")
+    p.add_argument("--repeats", type=int, default=None, help="runs of every server (default 3; 1 with --quick)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 1 repeat, fewer tokens, shorter prompts")
+    p.add_argument("--ctx", type=int, default=20480, help="context of both servers (default 20480)")
+    p.add_argument("--threads", type=int, default=2, help="compute threads of both servers (default 2)")
+    p.add_argument("--parallel", type=int, default=8, help="lmserve --batch and --kv-slots (default 8)")
+    p.add_argument("--servers", default=",".join(SERVERS), help="which to start (default: both)")
+    p.add_argument("--peer-venv", help="venv with llama-cpp-python (default: /work/peer-venv if it exists, "
+                                       "else .bench-venv/, created if missing)")
+    p.add_argument("--url", action="append", default=[], metavar="NAME=URL",
+                   help="drive an already running server instead of starting it (no memory figures)")
+    p.add_argument("--quiet", type=float, default=0.5, metavar="CORES",
+                   help="before each server run, wait until other processes use at most this many cores "
+                        "(default 0.5; a negative value never waits)")
+    p.add_argument("--quiet-wait", type=float, default=300, metavar="S",
+                   help="longest wait for that (and before each scenario), in seconds (default 300)")
+    p.add_argument("--cc-system", type=int, help="claude-code system prompt tokens (default 16000; 3000 quick)")
+    p.add_argument("--out", default=str(RESULTS / "serve.json"), help="JSON output (the PNG goes beside it)")
+    return p.parse_args(argv)
+
+
+def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop the servers
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    plan = QUICK if args.quick else FULL
+    repeats = args.repeats or (1 if args.quick else 3)
+    from shared.default_model import default_model_path
+    model = args.model or str(default_model_path())
+    external = dict(u.split("=", 1) for u in args.url)
+    wanted = [s for s in args.servers.split(",") if s] if not external else list(external)
+    unknown = [s for s in wanted if s not in SERVERS]
+    if unknown:
+        print(f"bench.serve: unknown server(s) {unknown}; names are {', '.join(SERVERS)}", file=sys.stderr)
+        return 2
+    print(f"bench.serve: preparing prompts from {Path(model).name}", flush=True)
+    if args.cc_system:
+        plan = dataclasses.replace(plan, cc_system=args.cc_system)
+    work = Workload(model, plan, nonce=int(time.time()) % 100_000)
+    peer_python: Path | None = None
+    if PEER in wanted and PEER not in external:
+        peer_python = ensure_peer(find_peer_venv(args.peer_venv))
+    per_server: dict[str, list[RepeatFigures]] = {s: [] for s in wanted}
+    loads: dict[str, list[dict[str, float]]] = {s: [] for s in wanted}
+    commands: dict[str, list[str]] = {}
+    notes: dict[str, dict[str, str]] = {}
+    started_all = time.perf_counter()
+    for repeat in range(repeats):
+        for name in wanted:
+            print(f"bench.serve: repeat {repeat + 1}/{repeats}, {name}", flush=True)
+            proc = None
+            sampler: MemorySampler | None = None
+            before = wait_for_quiet(args.quiet, args.quiet_wait) if args.quiet >= 0 else None
+            if name in external:
+                base_url = external[name].rstrip("/")
+            else:
+                spec = (lmserve_spec(model, args.ctx, args.parallel, args.threads) if name == LMSERVE
+                        else peer_spec(peer_python, model, args.ctx, args.threads))  # type: ignore[arg-type]
+                commands[name] = spec.command
+                proc = start_server(spec, RESULTS / f"serve-{name}.log.tmp")
+                base_url = spec.base_url
+            try:
+                sampler = MemorySampler(proc.pid if proc else None).start()
+                figs = asyncio.run(run_server_repeat(base_url, work, repeat, sampler if proc else None,
+                                                     args.quiet, args.quiet_wait))
+            except Exception as exc:
+                if proc is not None and proc.poll() is not None and proc.returncode in (-4, 132):
+                    print("bench.serve: the peer died of SIGILL: rebuild llama-cpp-python with "
+                          f"CMAKE_ARGS={PEER_CMAKE_ARGS!r}", file=sys.stderr)
+                raise RuntimeError(f"{name}, repeat {repeat + 1}: {exc}") from exc
+            finally:
+                load = sampler.stop() if sampler else {}
+                if proc is not None:
+                    stop_server(proc)
+            loads[name].append({**load, "other_cores_before": before} if before is not None else load)
+            per_server[name].append(figs)
+            if "claude-code" in figs.checks:
+                notes.setdefault(name, {})["claude-code"] = "not served (no /v1/messages)"
+                notes[name]["memory"] = "n/a"
+            if "other_cores" in load:
+                print(f"bench.serve:   other processes used {load['other_cores']:.2f} cores on average",
+                      flush=True)
+            print(f"bench.serve:   checks {json.dumps(figs.checks)}", flush=True)
+            write_results(Path(args.out), plan, per_server, notes, run_meta(args, argv, model, repeats, peer_python,
+                                                                           commands, loads, started_all))
+    out = Path(args.out)
+    document = write_results(out, plan, per_server, notes,
+                             run_meta(args, argv, model, repeats, peer_python, commands, loads, started_all))
+    rows = build_rows(plan, per_server, notes)
+    print()
+    print(f"serving benchmark, {Path(model).name}, {args.threads} threads, ctx {args.ctx}, {repeats} repeat(s); "
+          "median (min-max) over repeats")
+    print(format_text_table(rows, document["servers"]))
+    other = [ld["other_cores"] for s in wanted for ld in loads[s] if "other_cores" in ld]
+    if other:
+        print(f"load from other processes during the runs: {statistics.median(other):.2f} cores median, "
+              f"{max(other):.2f} max (of {os.cpu_count()})")
+    peer_single = document["meta"].get("peer_single_stream_decode")
+    if peer_single is not None:
+        lo, hi = PEER_SINGLE_STREAM_EXPECTED
+        verdict = "within" if lo * 0.85 <= peer_single["median"] <= hi * 1.15 else "OUTSIDE"
+        print(f"llama.cpp single-stream decode: {peer_single['median']:.1f} tok/s ({verdict} the {lo:.0f}-{hi:.0f} "
+              "tok/s expected of llama.cpp's server on 2 Sapphire Rapids cores)")
+    png = out.with_suffix(".png")
+    if write_chart(rows, png, f"lmserve vs llama.cpp ({PEER_PACKAGE}), {Path(model).name}, {args.threads} threads"):
+        print(f"wrote {out} and {png}")
+    else:
+        print(f"wrote {out}")
+    return 0
+
+
+def run_meta(args: argparse.Namespace, argv: list[str] | None, model: str, repeats: int, peer_python: Path | None,
+             commands: dict[str, list[str]], loads: dict[str, list[dict[str, float]]],
+             started_all: float) -> dict[str, Any]:
+    return {
+        "command": "python -m bench.serve " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S %z"), "duration_s": round(time.perf_counter() - started_all),
+        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "model": Path(model).name, "repeats": repeats, "quick": args.quick, "ctx": args.ctx,
+        "threads": args.threads, "parallel": args.parallel, "lmserve_revision": _git_revision(),
+        "peer": {"package": PEER_PACKAGE, "version": peer_version(peer_python) if peer_python else None,
+                 "parallel_slots": 1, "flash_attention": False},
+        "server_commands": commands,
+        "load": loads,
+    }
+
+
+def write_results(out: Path, plan: Plan, per_server: dict[str, list[RepeatFigures]],
+                  notes: dict[str, dict[str, str]], meta: dict[str, Any]) -> dict[str, Any]:
+    """Write the JSON (after every server run, so an interrupted run keeps what it measured)."""
+    rows = build_rows(plan, per_server, notes)
+    meta = {**meta, "repeats_done": {s: len(r) for s, r in per_server.items()},
+            "checks": {s: [r.checks for r in reps] for s, reps in per_server.items()}}
+    single = next((r for r in rows if r.scenario.endswith(", 1 stream") and r.metric == "decode per stream"), None)
+    peer_single = single.spread(PEER) if single else None
+    if peer_single is not None:
+        meta["peer_single_stream_decode"] = {"median": peer_single.median,
+                                             "expected_range": list(PEER_SINGLE_STREAM_EXPECTED)}
+    servers = [s for s in SERVERS if s in per_server]
+    document = results_json(rows, meta, servers)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".tmp")
+    partial.write_text(json.dumps(document, indent=1) + "\n")
+    os.replace(partial, out)
+    return document
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

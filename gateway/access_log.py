@@ -1,0 +1,142 @@
+"""The access log: one line per HTTP request, written when the response has ended.
+
+A streamed answer is logged when its stream ends (finished, cut by the client, or cut at
+shutdown), so every line carries the whole story: dialect, path, status, prompt / cached /
+completion tokens, time to the first generated token and total time. With ``--log-format json``
+the same values are fields of one JSON object (see ``shared.log_format``).
+
+Each response also names the gateway process that served it (``x-lmserve-gateway: host:pid``),
+so behind a proxy a client can tell which gateway's log holds its line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.neutral import (
+    Event,
+    Finish,
+    LogprobsDelta,
+    ReasoningDelta,
+    Started,
+    TextDelta,
+)
+
+GATEWAY_HEADER = "x-lmserve-gateway"
+SCOPE_KEY = "lmserve.access"
+# Probes arrive every few seconds from a proxy or orchestrator; logged only at debug level
+# unless they fail, so they do not drown the requests.
+PROBE_PATHS = {"/health", "/", "/api/hello"}
+DIALECT_PATHS = (("/v1/chat/completions", "chat"), ("/v1/responses", "responses"), ("/v1/messages", "anthropic"))
+
+log = logging.getLogger("lmserve.access")
+
+
+def gateway_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def dialect_of(path: str) -> str | None:
+    return next((name for prefix, name in DIALECT_PATHS if path.startswith(prefix)), None)
+
+
+@dataclass
+class AccessRecord:
+    method: str
+    path: str
+    started: float  # time.perf_counter() when the request arrived
+    status: int | None = None
+    stream: bool | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish: str | None = None
+    first_token_at: float | None = None
+
+    def fields(self, gateway: str, ended: float) -> dict[str, Any]:
+        def ms(at: float | None) -> float | None:
+            return None if at is None else round((at - self.started) * 1000, 1)
+
+        return {"gateway": gateway, "dialect": dialect_of(self.path), "method": self.method,
+                "path": self.path, "status": self.status, "stream": self.stream,
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "completion_tokens": self.completion_tokens, "finish": self.finish,
+                "ttft_ms": ms(self.first_token_at), "total_ms": ms(ended)}
+
+
+def text_line(fields: dict[str, Any]) -> str:
+    def show(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        return str(value)
+
+    keys = ("dialect", "stream", "prompt_tokens", "cached_tokens", "completion_tokens", "finish",
+            "ttft_ms", "total_ms")
+    return f"{fields['method']} {fields['path']} {show(fields['status'])} " + " ".join(
+        f"{key.removesuffix('_tokens')}={show(fields[key])}" for key in keys)
+
+
+async def observe(scope: dict[str, Any], stream: bool, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    """Pass a request's events through unchanged, noting its tokens and first-token time."""
+    record: AccessRecord | None = scope.get(SCOPE_KEY)
+    if record is not None:
+        record.stream = stream
+    async with aclosing(events):
+        async for event in events:
+            if record is not None:
+                if isinstance(event, (TextDelta, ReasoningDelta, LogprobsDelta)):
+                    if record.first_token_at is None:
+                        record.first_token_at = time.perf_counter()
+                elif isinstance(event, Started):
+                    record.prompt_tokens = event.prompt_tokens
+                elif isinstance(event, Finish):
+                    record.prompt_tokens = event.usage.prompt_tokens
+                    record.cached_tokens = event.usage.cached_tokens
+                    record.completion_tokens = event.usage.completion_tokens
+                    record.finish = event.reason
+            yield event
+
+
+class AccessLogMiddleware:
+    """Outermost ASGI middleware: times each request, names the gateway, logs the line."""
+
+    def __init__(self, app: Any):
+        self.app = app
+        self.gateway = gateway_id()
+        self.header = (GATEWAY_HEADER.encode(), self.gateway.encode())
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = AccessRecord(scope.get("method", ""), scope.get("path", ""), time.perf_counter())
+        scope[SCOPE_KEY] = record
+
+        async def send_named(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_named)
+        except Exception:
+            if record.status is None:
+                record.status = 500
+            raise
+        finally:
+            self._write(record)
+
+    def _write(self, record: AccessRecord) -> None:
+        fields = record.fields(self.gateway, time.perf_counter())
+        quiet = record.path in PROBE_PATHS and (record.status or 500) < 400
+        log.log(logging.DEBUG if quiet else logging.INFO, text_line(fields), extra={"fields": fields})

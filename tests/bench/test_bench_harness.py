@@ -1,0 +1,163 @@
+"""The serving benchmark's pure parts: statistics, stream parsing, the table and its JSON.
+
+No server is started and nothing is timed here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench import serve  # noqa: E402
+from bench.__main__ import command  # noqa: E402
+from bench.serve import (  # noqa: E402
+    FULL,
+    LMSERVE,
+    PEER,
+    RepeatFigures,
+    Row,
+    Spread,
+    SseParser,
+    StreamResult,
+)
+
+
+def test_percentile_and_spread() -> None:
+    assert serve.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert serve.percentile([5.0], 95) == 5.0
+    assert serve.percentile([0.0, 10.0], 95) == pytest.approx(9.5)
+    with pytest.raises(ValueError):
+        serve.percentile([], 50)
+    assert serve.spread([3.0, None, 1.0, 2.0]) == Spread(1.0, 2.0, 3.0, 3)
+    assert serve.spread([None]) is None
+    assert serve.ratio(Spread(1, 4, 5, 3), Spread(1, 2, 3, 3)) == 2.0
+    assert serve.ratio(Spread(1, 4, 5, 3), None) is None
+    assert serve.ratio(Spread(1, 4, 5, 3), Spread(0, 0, 0, 1)) is None
+
+
+def test_cells() -> None:
+    assert serve.format_cell(Spread(10.0, 12.5, 14.0, 3)) == "12.5 (10.0-14.0)"
+    assert serve.format_cell(Spread(1234.0, 1234.0, 1234.0, 1)) == "1234"
+    assert serve.format_cell(None, "not served") == "not served"
+    assert serve.format_cell(None) == "n/a"
+    assert serve.format_ratio(0.5) == "0.50x"
+    assert serve.format_ratio(None) == ""
+
+
+def _rows() -> list[Row]:
+    a = Row("short+256, 1 stream", "decode per stream", "tok/s", serve.HIGHER,
+            {LMSERVE: [30.0, 32.0, 31.0], PEER: [100.0, 110.0, 105.0]})
+    b = Row("claude-code", "time to first token", "ms", serve.LOWER, {LMSERVE: [900.0], PEER: []},
+            {PEER: "not served"})
+    return [a, b]
+
+
+def test_row_ratio_and_tables() -> None:
+    a, b = _rows()
+    assert a.ratio() == pytest.approx(31.0 / 105.0)
+    assert b.ratio() is None
+    text = serve.format_text_table([a, b])
+    lines = text.splitlines()
+    assert len(lines) == 4  # header, rule, two rows
+    assert "not served" in lines[3] and "31.0 (30.0-32.0)" in lines[2]
+    markdown = serve.format_markdown_table([a, b]).splitlines()
+    assert len(markdown) == 4
+    assert all(line.startswith("|") and line.endswith("|") for line in markdown)
+    assert len({line.count("|") for line in markdown}) == 1  # every line has the same columns
+
+
+def test_one_server_table_has_no_ratio_column() -> None:
+    header, first, _ = serve.table_rows(_rows(), [LMSERVE])
+    assert header == ["figure", f"{LMSERVE} median (min-max)", "better"]
+    assert first == ["short+256, 1 stream: decode per stream (tok/s)", "31.0 (30.0-32.0)", serve.HIGHER]
+
+
+def test_results_json_shape() -> None:
+    doc = serve.results_json(_rows(), {"repeats": 3})
+    doc = json.loads(json.dumps(doc))  # plain JSON through and through
+    assert doc["format"] == 1 and doc["servers"] == [LMSERVE, PEER] and doc["meta"] == {"repeats": 3}
+    first, second = doc["rows"]
+    assert set(first) == {"scenario", "metric", "unit", "better", "servers", "ratio"}
+    assert first["servers"][LMSERVE] == {"values": [30.0, 32.0, 31.0], "min": 30.0, "median": 31.0,
+                                         "max": 32.0, "n": 3}
+    assert second["servers"][PEER] == {"values": [], "note": "not served"}
+    assert second["ratio"] is None
+    assert doc["markdown"].startswith("| figure |")
+
+
+def test_sse_parser() -> None:
+    parser = SseParser()
+    lines = [": ping", "event: message_start", 'data: {"a": 1}', "", "", "data: [DONE]", ""]
+    events = [e for e in (parser.feed(line) for line in lines) if e is not None]
+    assert events == [("message_start", '{"a": 1}'), (None, "[DONE]")]
+    parser.feed("data: {}")
+    assert parser.close() == (None, "{}")
+    assert parser.close() is None
+
+
+def test_chat_chunks_skip_the_role_chunk() -> None:
+    r = StreamResult(started=10.0)
+    serve.apply_chat_chunk(r, {"choices": [{"delta": {"role": "assistant", "content": ""}}]}, 10.1)
+    serve.apply_chat_chunk(r, {"choices": [{"delta": {"content": "Hi"}}]}, 10.5)
+    serve.apply_chat_chunk(r, {"choices": [{"delta": {"content": " there"}, "finish_reason": "length"}]}, 10.7)
+    assert r.ttft == pytest.approx(0.5)
+    assert r.gaps() == [pytest.approx(0.2)]
+    assert r.text == "Hi there" and r.finish_reason == "length"
+    # no usage: a stream that ended on length made max_tokens tokens; otherwise count chunks
+    assert r.output_tokens(16) == 16 and r.output_tokens() == 2
+    serve.apply_chat_chunk(r, {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3,
+                                                        "prompt_tokens_details": {"cached_tokens": 4}}}, 10.8)
+    assert (r.tokens, r.prompt_tokens, r.cached_tokens) == (3, 9, 4)
+    assert r.decode_rate() == pytest.approx(2 / 0.2)
+    with pytest.raises(RuntimeError):
+        serve.apply_chat_chunk(r, {"error": {"message": "boom"}}, 11.0)
+
+
+def test_messages_events() -> None:
+    r = StreamResult(started=0.0)
+    serve.apply_messages_event(r, "message_start", {"type": "message_start", "message": {
+        "usage": {"input_tokens": 10, "cache_read_input_tokens": 90}}}, 0.1)
+    serve.apply_messages_event(r, "content_block_delta", {"type": "content_block_delta",
+                                                          "delta": {"type": "text_delta", "text": ""}}, 0.2)
+    serve.apply_messages_event(r, "content_block_delta", {"type": "content_block_delta",
+                                                          "delta": {"type": "text_delta", "text": "ok"}}, 0.3)
+    serve.apply_messages_event(r, "message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                                                    "usage": {"output_tokens": 1}}, 0.4)
+    assert r.ttft == pytest.approx(0.3)
+    assert (r.prompt_tokens, r.cached_tokens, r.tokens, r.finish_reason) == (100, 90, 1, "end_turn")
+    assert r.decode_rate() is None  # one token has no decode interval
+
+
+def test_build_rows_marks_what_a_server_lacks() -> None:
+    ours = RepeatFigures({"short c=1|decode": 30.0, "claude-code|ttft first": 5000.0, "memory|chat": 700.0})
+    theirs = RepeatFigures({"short c=1|decode": 100.0, "memory|chat": 600.0})
+    notes = {PEER: {"claude-code": "not served (no /v1/messages)"}}
+    rows = serve.build_rows(FULL, {LMSERVE: [ours, ours], PEER: [theirs, theirs]}, notes)
+    by_metric = {(r.scenario.split(",")[0], r.metric): r for r in rows}
+    decode = by_metric[("short+256", "decode per stream")]
+    assert decode.values == {LMSERVE: [30.0, 30.0], PEER: [100.0, 100.0]} and decode.ratio() == 0.3
+    cc = next(r for r in rows if r.scenario.startswith("claude-code") and "turn 1" in r.metric)
+    assert cc.note == {PEER: "not served (no /v1/messages)"} and cc.ratio() is None
+    assert len(rows) == 3  # figures nobody measured are left out
+
+
+def test_sized_text_hits_the_target() -> None:
+    def words(text: str) -> int:
+        return len(text.split())
+
+    text = serve.sized_text(words, 300, seed=1, head="Start here.")
+    assert text.startswith("Start here.") and 280 <= words(text) <= 300
+    assert serve.sized_text(words, 300, seed=1, head="Start here.") == text  # deterministic
+
+
+def test_entry_point_commands() -> None:
+    assert command("serve", quick=True, repeats=None)[1:] == ["-m", "bench.serve", "--quick"]
+    assert command("worker", quick=True, repeats=3)[1:] == ["-m", "bench.worker", "--tokens", "16", "--repeats", "3"]
+    assert command("grammar", quick=True, repeats=2)[1:] == ["-m", "bench.grammar"]

@@ -1,0 +1,449 @@
+"""Tool calling and reasoning through the real stack, in all three dialects, with the official SDKs.
+
+The model is the tiny random qwen3 (real Qwen vocabulary, Hermes-convention template). Random
+weights choose nothing useful, so its worker runs with ``--scripted-replies``: every step still
+runs the engine, but the tokens come from the script below. Each reply is keyed by a marker in
+the prompt (the latest marker wins), so tests may run in any order: a round trip's second turn
+carries the marker of the final answer inside the tool result, which therefore also proves that
+the result reached the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pydantic
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from test_openai_responses import (
+    CODEX_TOOLS,  # namespace, custom and hosted tools, as Codex sends them
+)
+from tiny_models import write_tiny_gguf
+
+from gateway import tool_calls
+from gateway.dialects import anthropic_messages, openai_chat, openai_responses
+from gateway.prompting import ModelView
+from shared.tokenizer import Tokenizer
+
+WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TOKYO_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Tōkyō"}}\n</tool_call>'
+BAD_CALL = 'Let me try.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+READ_CALL = '<tool_call>\n{"name": "read_file", "arguments": {"path": "README.md"}}\n</tool_call>'
+PATCH = "*** Begin Patch\n*** End Patch"
+PATCH_CALL = '<tool_call>\n' + json.dumps({"name": "apply_patch", "arguments": {"input": PATCH}}) + '\n</tool_call>'
+TWO_CALLS = "Checking both.\n" + WEATHER_CALL + "\n" + TOKYO_CALL
+THOUGHT = "I should call the tool."
+ANSWER = "It is 22C and sunny in Paris."
+
+# marker -> reply text ("ids" in the file for CALL_PLAIN, to exercise token-id replies)
+SCRIPT = {
+    "[[call-weather]]": f"<think>\n{THOUGHT}\n</think>\n\n{WEATHER_CALL}",
+    "[[weather-result]]": ANSWER,
+    "[[two-calls]]": TWO_CALLS,
+    "[[bad-call]]": BAD_CALL,
+    "[[call-plain]]": WEATHER_CALL,
+    "[[think-answer]]": "<think>\nThe user greets me.\n</think>\n\nHello there.",
+    "[[codex]]": READ_CALL + "\n" + PATCH_CALL,
+}
+RESULT = "22C and sunny [[weather-result]]"
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                                 "parameters": WEATHER_SCHEMA}}]
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city",
+                    "parameters": WEATHER_SCHEMA}]
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather for a city", "input_schema": WEATHER_SCHEMA}]
+STREAM_EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
+THINKING = {"type": "enabled", "budget_tokens": 1024}
+
+
+def script_file_entries(tokenizer: Tokenizer) -> list[Any]:
+    entries: list[Any] = []
+    for marker, text in SCRIPT.items():
+        if marker == "[[call-plain]]":
+            ids = tokenizer.encode(text, add_special=False)
+            # the tags are single tokens of the Qwen vocabulary
+            assert ids[0] == tokenizer.piece_to_id("<tool_call>") and ids[-1] == tokenizer.piece_to_id("</tool_call>")
+            entries.append({"when": marker, "ids": ids})
+        else:
+            entries.append({"when": marker, "text": text})
+    entries.append({"text": "There is no script for this."})
+    return entries
+
+
+@pytest.fixture(scope="module")
+def qwen_stack(tmp_path_factory, start_worker, start_gateway, qwen_tokenizer):
+    folder = tmp_path_factory.mktemp("scripted-qwen3")
+    model = folder / "tiny-qwen3.gguf"
+    write_tiny_gguf(model, "qwen3", context_length=4096)
+    script = folder / "replies.json"
+    script.write_text(json.dumps(script_file_entries(qwen_tokenizer)), encoding="utf-8")
+    worker = start_worker(model, "--scripted-replies", str(script), "--batch", "1", "--ctx", "4096")
+    return start_gateway(worker, "--ping-interval", "0.5"), worker
+
+
+@pytest.fixture(scope="module")
+def oai(qwen_stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=qwen_stack[0].url + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(qwen_stack) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=qwen_stack[0].url, api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def view(qwen_stack) -> ModelView:
+    return ModelView.from_card(qwen_stack[1].card())
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def final_answer(stream: bool, create: Any, stream_with: Any, final: str, **kwargs: Any) -> Any:
+    """The answer whole, or streamed through the SDK's own stream helper and then assembled."""
+    if not stream:
+        return create(**kwargs)
+    with stream_with(**kwargs) as events:
+        for _ in events:
+            pass
+        return getattr(events, final)()
+
+
+def sse_data(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    return [json.loads(line[len("data: "):]) for line in lines if line != "data: [DONE]"]
+
+
+# --- Chat Completions ---------------------------------------------------------------------------
+
+def chat(oai: openai.OpenAI, stream: bool, messages: list[dict[str, Any]], **extra: Any):
+    """The final completion, through the SDK's stream helper when streaming."""
+    if stream:
+        extra["stream_options"] = {"include_usage": True}
+    return final_answer(stream, oai.chat.completions.create, oai.chat.completions.stream, "get_final_completion",
+                        model="qwen", messages=messages, tools=CHAT_TOOLS, max_tokens=120, **extra)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_round_trip_with_thinking(oai, stream):
+    question = [user("What is the weather in Paris? [[call-weather]]")]
+    first = chat(oai, stream, question, reasoning_effort="medium")
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == THOUGHT
+    assert not choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+    history = question + [
+        {"role": "assistant", "content": None, "reasoning_content": THOUGHT,
+         "tool_calls": [{"id": call.id, "type": "function",
+                         "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    second = chat(oai, stream, history, reasoning_effort="none")
+    assert second.choices[0].message.content == ANSWER
+    assert second.choices[0].finish_reason == "stop" and not second.choices[0].message.tool_calls
+
+
+def test_chat_stream_shape_of_tool_call_deltas(qwen_stack):
+    chunks = sse_data(qwen_stack[0].url, "/v1/chat/completions", {
+        "model": "q", "messages": [user("[[call-plain]]")], "tools": CHAT_TOOLS, "max_tokens": 120})
+    deltas = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks
+              if c["choices"] and c["choices"][0]["delta"].get("tool_calls")]
+    first, rest = deltas[0], deltas[1:]
+    assert first["index"] == 0 and first["id"].startswith("call_") and first["type"] == "function"
+    assert first["function"] == {"name": "get_weather", "arguments": ""}
+    assert len(rest) >= 2 and all(set(d) == {"index", "function"} and "arguments" in d["function"] for d in rest)
+    assert json.loads("".join(d["function"]["arguments"] for d in rest)) == {"city": "Paris"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks if c["choices"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_parallel_calls_and_the_single_call_cut(oai, stream):
+    both = chat(oai, stream, [user("Paris and Tokyo? [[two-calls]]")])
+    message = both.choices[0].message
+    assert message.content == "Checking both."
+    assert [json.loads(c.function.arguments)["city"] for c in message.tool_calls] == ["Paris", "Tōkyō"]
+    assert len({c.id for c in message.tool_calls}) == 2
+
+    one = chat(oai, stream, [user("Paris and Tokyo? [[two-calls]]")], parallel_tool_calls=False)
+    assert one.choices[0].finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments)["city"] for c in one.choices[0].message.tool_calls] == ["Paris"]
+    # the reply was ended in the worker right after the first call, not read to its end
+    assert one.usage.completion_tokens < both.usage.completion_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_malformed_call_comes_back_as_text(oai, stream):
+    reply = chat(oai, stream, [user("[[bad-call]]")])
+    assert reply.choices[0].message.content == BAD_CALL
+    assert reply.choices[0].finish_reason == "stop" and not reply.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_thinking_on_and_off(oai, stream):
+    thought = chat(oai, stream, [user("Hi [[think-answer]]")], reasoning_effort="high").choices[0].message
+    assert thought.reasoning_content == "The user greets me." and thought.content == "Hello there."
+    plain = chat(oai, stream, [user("[[call-plain]]")], reasoning_effort="none").choices[0]
+    assert plain.finish_reason == "tool_calls" and getattr(plain.message, "reasoning_content", None) is None
+    assert plain.message.tool_calls[0].function.name == "get_weather"
+
+
+def test_chat_tool_choice_none_leaves_calls_as_text(oai):
+    reply = chat(oai, False, [user("[[call-plain]]")], tool_choice="none")
+    assert reply.choices[0].message.content == WEATHER_CALL and reply.choices[0].finish_reason == "stop"
+
+
+# --- Responses ----------------------------------------------------------------------------------
+
+def respond(oai: openai.OpenAI, stream: bool, items: list[dict[str, Any]] | str, **extra: Any) -> Response:
+    kwargs = {"model": "qwen", "input": items, "tools": RESPONSES_TOOLS, "max_output_tokens": 120, **extra}
+    return final_answer(stream, oai.responses.create, oai.responses.stream, "get_final_response", **kwargs)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_responses_round_trip_with_thinking(oai, stream):
+    question = [{"role": "user", "content": "Weather in Paris? [[call-weather]]"}]
+    first = respond(oai, stream, question, reasoning={"effort": "medium"})
+    assert first.status == "completed"
+    reasoning, call = first.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == THOUGHT
+    assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+    assert json.loads(call.arguments) == {"city": "Paris"}
+
+    # Codex's way: the output items go back as they came, then the result.
+    history = question + [item.model_dump(exclude_none=True) for item in first.output] + [
+        {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}]
+    second = respond(oai, stream, history, reasoning={"effort": "none"})
+    assert second.output_text == ANSWER and [item.type for item in second.output] == ["message"]
+
+
+def test_responses_stream_events_for_a_call(qwen_stack):
+    events = sse_data(qwen_stack[0].url, "/v1/responses", {
+        "model": "q", "input": "[[call-plain]]", "tools": RESPONSES_TOOLS, "max_output_tokens": 120})
+    for event in events:
+        STREAM_EVENT.validate_python(event)
+    names = [e["type"] for e in events]
+    assert names.count("response.function_call_arguments.delta") >= 2
+    added = next(e for e in events if e["type"] == "response.output_item.added")
+    done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+    final = events[-1]["response"]
+    assert added["item"]["arguments"] == "" and added["item"]["status"] == "in_progress"
+    assert done["item_id"] == added["item"]["id"] == final["output"][0]["id"]
+    assert final["output"][0]["call_id"] == added["item"]["call_id"]
+    assert json.loads(done["arguments"]) == {"city": "Paris"}
+    assert names[-1] == "response.completed" and [i["type"] for i in final["output"]] == ["function_call"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_responses_parallel_calls_and_the_single_call_cut(oai, stream):
+    both = respond(oai, stream, "Paris and Tokyo? [[two-calls]]")
+    assert [item.type for item in both.output] == ["message", "function_call", "function_call"]
+    assert both.output_text == "Checking both."
+    assert [json.loads(item.arguments)["city"] for item in both.output[1:]] == ["Paris", "Tōkyō"]
+    one = respond(oai, stream, "Paris and Tokyo? [[two-calls]]", parallel_tool_calls=False)
+    assert [item.type for item in one.output] == ["message", "function_call"]
+    assert one.usage.output_tokens < both.usage.output_tokens
+
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_responses_namespace_and_custom_tool_calls(oai, stream):
+    reply = respond(oai, stream, "Read and patch. [[codex]]", tools=CODEX_TOOLS)
+    read, patch = reply.output
+    assert (read.type, read.name, read.namespace) == ("function_call", "read_file", "mcp__files__")
+    assert json.loads(read.arguments) == {"path": "README.md"}
+    assert (patch.type, patch.name, patch.input) == ("custom_tool_call", "apply_patch", PATCH)
+    assert patch.call_id.startswith("call_")
+
+    # and the calls go back into the history as Codex sends them
+    history = [{"role": "user", "content": "Read and patch. [[codex]]"},
+               *[item.model_dump(exclude_none=True) for item in reply.output],
+               {"type": "function_call_output", "call_id": read.call_id, "output": "# Demo"},
+               {"type": "custom_tool_call_output", "call_id": patch.call_id, "output": "Done [[weather-result]]"}]
+    assert respond(oai, stream, history, tools=CODEX_TOOLS).output_text == ANSWER
+
+
+def test_responses_stream_events_for_namespace_and_custom_calls(qwen_stack):
+    events = sse_data(qwen_stack[0].url, "/v1/responses", {
+        "model": "q", "input": "[[codex]]", "tools": CODEX_TOOLS, "max_output_tokens": 120})
+    for event in events:
+        STREAM_EVENT.validate_python(event)
+    by_type = {e["type"]: e for e in events}
+    assert by_type["response.function_call_arguments.done"]["name"] == "read_file"
+    assert by_type["response.custom_tool_call_input.done"]["input"] == PATCH
+    assert by_type["response.custom_tool_call_input.delta"]["delta"] == PATCH
+    output = events[-1]["response"]["output"]
+    assert [(i["type"], i["name"], i.get("namespace")) for i in output] == [
+        ("function_call", "read_file", "mcp__files__"), ("custom_tool_call", "apply_patch", None)]
+    Response.model_validate(events[-1]["response"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_responses_malformed_call_and_thinking_off(oai, stream):
+    bad = respond(oai, stream, "[[bad-call]]")
+    assert [item.type for item in bad.output] == ["message"] and bad.output_text == BAD_CALL
+    plain = respond(oai, stream, "[[call-plain]]", reasoning={"effort": "none"})
+    assert [item.type for item in plain.output] == ["function_call"]
+    thought = respond(oai, stream, "Hi [[think-answer]]", reasoning={"effort": "low"})
+    assert [item.type for item in thought.output] == ["reasoning", "message"]
+    assert thought.output[0].content[0].text == "The user greets me." and thought.output_text == "Hello there."
+
+
+# --- Anthropic Messages -------------------------------------------------------------------------
+
+def message(claude: anthropic.Anthropic, stream: bool, messages: list[dict[str, Any]], **extra: Any):
+    kwargs = {"model": "claude-sonnet-4-6", "messages": messages, "tools": ANTHROPIC_TOOLS, "max_tokens": 2000,
+              **extra}
+    return final_answer(stream, claude.messages.create, claude.messages.stream, "get_final_message", **kwargs)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_anthropic_round_trip_with_thinking(claude, stream):
+    question = [user("Weather in Paris? [[call-weather]]")]
+    first = message(claude, stream, question, thinking=THINKING)
+    assert first.stop_reason == "tool_use"
+    thinking, call = first.content
+    assert thinking.type == "thinking" and thinking.thinking == THOUGHT and thinking.signature
+    assert call.type == "tool_use" and call.name == "get_weather" and call.input == {"city": "Paris"}
+    assert re.fullmatch(r"toolu_[a-zA-Z0-9_-]+", call.id)
+
+    history = question + [
+        {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                      "content": [{"type": "text", "text": RESULT}]}]}]
+    second = message(claude, stream, history)
+    assert [block.type for block in second.content] == ["text"] and second.content[0].text == ANSWER
+    assert second.stop_reason == "end_turn"
+
+
+def test_anthropic_stream_of_a_call_has_no_empty_text_block_and_json_chunks(qwen_stack):
+    records = sse_data(qwen_stack[0].url, "/v1/messages", {
+        "model": "m", "max_tokens": 100, "messages": [user("[[call-plain]]")], "tools": ANTHROPIC_TOOLS})
+    starts = [r["content_block"] for r in records if r["type"] == "content_block_start"]
+    assert [block["type"] for block in starts] == ["tool_use"]
+    chunks = [r["delta"]["partial_json"] for r in records
+              if r["type"] == "content_block_delta" and r["delta"]["type"] == "input_json_delta"]
+    assert len(chunks) >= 2 and json.loads("".join(chunks)) == {"city": "Paris"}
+    assert next(r for r in records if r["type"] == "message_delta")["delta"]["stop_reason"] == "tool_use"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_anthropic_parallel_calls_and_disable_parallel_tool_use(claude, stream):
+    both = message(claude, stream, [user("Paris and Tokyo? [[two-calls]]")])
+    assert [block.type for block in both.content] == ["text", "tool_use", "tool_use"]
+    assert [block.input["city"] for block in both.content[1:]] == ["Paris", "Tōkyō"]
+    one = message(claude, stream, [user("Paris and Tokyo? [[two-calls]]")],
+                  tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert [block.type for block in one.content] == ["text", "tool_use"] and one.stop_reason == "tool_use"
+    assert one.usage.output_tokens < both.usage.output_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_anthropic_malformed_call_and_thinking_off(claude, stream):
+    bad = message(claude, stream, [user("[[bad-call]]")])
+    assert [block.type for block in bad.content] == ["text"] and bad.content[0].text == BAD_CALL
+    assert bad.stop_reason == "end_turn"
+    plain = message(claude, stream, [user("[[call-plain]]")], thinking={"type": "disabled"})
+    assert [block.type for block in plain.content] == ["tool_use"]
+    thought = message(claude, stream, [user("Hi [[think-answer]]")], thinking=THINKING)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in thought.content] == [
+        ("thinking", "The user greets me."), ("text", "Hello there.")]
+
+
+# --- what each dialect's history becomes in the Qwen prompt -----------------------------------------
+
+EXPECTED_TURN = (f"<|im_start|>assistant\n<think>\n{THOUGHT}\n</think>\n\n{WEATHER_CALL}<|im_end|>\n"
+                 f"<|im_start|>user\n<tool_response>\n22C and sunny\n</tool_response><|im_end|>\n"
+                 f"<|im_start|>assistant\n")
+HISTORIES = {
+    openai_chat: {"messages": [
+        user("Earlier."), {"role": "assistant", "content": "Old.", "reasoning_content": "Old thought."},
+        user("Weather?"),
+        {"role": "assistant", "content": None, "reasoning_content": THOUGHT, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "22C and sunny"}]}],
+        "tools": CHAT_TOOLS, "reasoning_effort": "medium"},
+    openai_responses: {"input": [
+        user("Earlier."),
+        {"type": "reasoning", "id": "rs_0", "summary": [{"type": "summary_text", "text": "Old thought."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Old."}]},
+        user("Weather?"),
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": THOUGHT}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "22C and sunny"}],
+        "tools": RESPONSES_TOOLS, "reasoning": {"effort": "medium"}},
+    anthropic_messages: {"messages": [
+        user("Earlier."), {"role": "assistant", "content": [{"type": "thinking", "thinking": "Old thought."},
+                                                            {"type": "text", "text": "Old."}]},
+        user("Weather?"),
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": THOUGHT, "signature": "c2ln"},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "22C and sunny"}]}],
+        "tools": ANTHROPIC_TOOLS, "max_tokens": 50, "thinking": THINKING},
+}
+
+
+@pytest.mark.parametrize("dialect", list(HISTORIES), ids=lambda d: d.__name__.rsplit(".", 1)[-1])
+def test_history_renders_the_qwen_way(view, dialect):
+    request = dialect.parse({"model": "m", **HISTORIES[dialect]}, view, {})
+    plan = tool_calls.plan(view, request)
+    assert plan.parse and plan.limit is None
+    prompt = view.render(request.messages, plan.declared, request.reasoning, request.prefill)
+    assert prompt.endswith(EXPECTED_TURN), prompt
+    assert '{"type": "function", "function": {"name": "get_weather"' in prompt
+    # reasoning of turns before the latest user message is dropped, as the template does
+    assert "Old thought." not in prompt and "<|im_start|>assistant\nOld.<|im_end|>" in prompt
+
+
+# --- the default model has no tool convention -----------------------------------------------------
+
+def test_tools_are_dropped_on_a_model_without_a_tool_convention(stack):
+    oai = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    claude = anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0)
+    question = "Which city is the capital of France?"
+    reply = oai.chat.completions.create(model="m", messages=[user(question)], tools=CHAT_TOOLS,
+                                        temperature=0, max_tokens=30)
+    assert "Paris" in reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+    plain = oai.chat.completions.create(model="m", messages=[user(question)], temperature=0, max_tokens=30)
+    # the declarations never reached the prompt
+    assert reply.usage.prompt_tokens == plain.usage.prompt_tokens
+    answer = oai.responses.create(model="m", input=question, tools=CODEX_TOOLS,
+                                  temperature=0, max_output_tokens=30)
+    assert "Paris" in answer.output_text
+    counted = claude.messages.count_tokens(model="m", messages=[user(question)], tools=ANTHROPIC_TOOLS)
+    assert counted.input_tokens == claude.messages.count_tokens(model="m", messages=[user(question)]).input_tokens
+
+
+def test_forced_calls_are_refused_on_a_model_without_a_tool_convention(stack):
+    oai = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    claude = anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0)
+    attempts = [
+        lambda: oai.chat.completions.create(model="m", messages=[user("Hi")], tools=CHAT_TOOLS,
+                                            tool_choice="required", max_tokens=5),
+        lambda: oai.chat.completions.create(model="m", messages=[user("Hi")], tools=CHAT_TOOLS, max_tokens=5,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+        lambda: oai.responses.create(model="m", input="Hi", tools=RESPONSES_TOOLS, tool_choice="required",
+                                     max_output_tokens=5),
+        lambda: claude.messages.create(model="m", messages=[user("Hi")], tools=ANTHROPIC_TOOLS, max_tokens=5,
+                                       tool_choice={"type": "any"}),
+        lambda: claude.messages.create(model="m", messages=[user("Hi")], tools=ANTHROPIC_TOOLS, max_tokens=5,
+                                       tool_choice={"type": "tool", "name": "get_weather"}),
+    ]
+    for attempt in attempts:
+        with pytest.raises((openai.BadRequestError, anthropic.BadRequestError)) as error:
+            attempt()
+        assert error.value.status_code == 400
+        assert "forced tool calls need constrained decoding" in str(error.value)

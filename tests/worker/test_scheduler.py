@@ -1,0 +1,170 @@
+"""The scheduler in-process on a tiny model: a failing stream ends alone.
+
+Faults are injected into one stream (its sampler, or its KV cache during the weight pass); the
+other streams of the same batch must finish exactly as they would have without it.
+"""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import write_tiny_gguf
+
+from shared.protocol import Finished, Generate, Tokens
+from worker.engine.engine import Engine
+from worker.scheduler import Scheduler, SchedulerSettings
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "llama.gguf"
+    write_tiny_gguf(path, "llama", seed=1)
+    return Engine.load(path)
+
+
+class Outbox:
+    def __init__(self):
+        self.messages = []
+
+    def __call__(self, gateway, message):
+        self.messages.append(message)
+
+    def finished(self) -> dict[str, Finished]:
+        return {m.request_id: m for m in self.messages if isinstance(m, Finished)}
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for m in self.messages if isinstance(m, Tokens) and m.request_id == rid for t in m.ids]
+
+
+def _run(engine, fault=None, batch=3):
+    outbox = Outbox()
+    scheduler = Scheduler(engine, SchedulerSettings(ctx=128, batch=batch, kv_slots=batch), outbox)
+    for i in range(3):
+        scheduler.submit(b"gw", Generate(f"r{i}", [5 + i, 17, 300 + i], {"temperature": 0.0}, 12, stop_ids=[]))
+    scheduler._admit()
+    if fault:
+        fault(scheduler)
+    for _ in range(100):
+        if not scheduler.running and not scheduler.waiting:
+            break
+        scheduler._admit()
+        scheduler._step()
+    return outbox
+
+
+def test_a_sampler_that_raises_ends_only_its_stream(engine):
+    clean = _run(engine)
+
+    def break_sampler(scheduler):
+        victim = next(s for s in scheduler.running if s.request.request_id == "r1")
+
+        def explode(logits, allowed=None):
+            raise RuntimeError("sampler exploded")
+        victim.sampler.sample = explode
+
+    broken = _run(engine, break_sampler)
+    finished = broken.finished()
+    assert finished["r1"].reason == "error" and "sampler exploded" in finished["r1"].error
+    for rid in ("r0", "r2"):
+        assert finished[rid].reason == "length"
+        assert broken.tokens(rid) == clean.tokens(rid)
+
+
+def test_a_weight_pass_that_fails_for_one_stream_ends_only_that_stream(engine):
+    clean = _run(engine)
+
+    def break_cache(scheduler):
+        victim = next(s for s in scheduler.running if s.request.request_id == "r2")
+        cache = victim.slot.cache
+        original = cache.write
+        calls = {"n": 0}
+
+        def fail_on_third_pass(layer, k, v):
+            calls["n"] += 1
+            if calls["n"] > 2 * engine.model.hp.n_layer:
+                raise MemoryError("simulated allocation failure")
+            return original(layer, k, v)
+        cache.write = fail_on_third_pass
+
+    broken = _run(engine, break_cache)
+    finished = broken.finished()
+    assert finished["r2"].reason == "error"
+    assert len(broken.tokens("r2")) == 2  # it produced tokens until its cache failed
+    for rid in ("r0", "r1"):
+        assert finished[rid].reason == "length"
+        assert broken.tokens(rid) == clean.tokens(rid)
+
+
+def test_abort_of_a_running_stream_frees_its_slot(engine):
+    outbox = Outbox()
+    scheduler = Scheduler(engine, SchedulerSettings(ctx=128, batch=1, kv_slots=1, queue=4), outbox)
+    scheduler.submit(b"gw", Generate("a", [1, 2, 3], {"temperature": 0.0}, 50, stop_ids=[]))
+    scheduler.submit(b"gw", Generate("b", [1, 2, 4], {"temperature": 0.0}, 3, stop_ids=[]))
+    scheduler._admit()
+    scheduler._step()
+    scheduler.abort(b"gw", "a")
+    for _ in range(20):
+        scheduler._admit()
+        scheduler._step()
+    finished = outbox.finished()
+    assert finished["a"].reason == "abort"
+    assert finished["b"].reason == "length"
+    assert scheduler.pool.free_count() == 1
+
+
+def test_grammar_streams_and_a_free_stream_share_a_batch(engine):
+    """Four grammars and one free stream in one batch: each constrained output obeys its grammar."""
+    import json
+    import re
+
+    from worker.grammar import GrammarEngine
+
+    outbox = Outbox()
+    grammar = GrammarEngine(engine.tokenizer, engine.model.hp.n_vocab)
+    scheduler = Scheduler(engine, SchedulerSettings(ctx=256, batch=5, kv_slots=5, queue=8), outbox,
+                          grammar=grammar)
+    scheduler.wake_io = scheduler.admit_compiled  # in-process: admit right away
+    grammars = {
+        "json": {"kind": "json_schema", "source": json.dumps({
+            "type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+            "required": ["n", "ok"], "additionalProperties": False})},
+        "regex": {"kind": "regex", "source": r"[a-c]{3}-[0-9]{2}"},
+        "lark": {"kind": "lark", "source": 'start: "yes" | "no" | "maybe"'},
+        "enum": {"kind": "json_schema", "source": json.dumps({"enum": ["red", "green", 3]})},
+    }
+    for rid, spec in grammars.items():
+        scheduler.submit(b"gw", Generate(rid, [5, 17, 300], {"temperature": 1.0, "seed": 4}, 60, grammar=spec))
+    scheduler.submit(b"gw", Generate("free", [5, 17, 301], {"temperature": 1.0, "seed": 4}, 10, stop_ids=[]))
+    grammar.pool.shutdown(wait=True)  # every compile done, every callback run
+    for _ in range(200):
+        if not scheduler.running and not scheduler.waiting:
+            break
+        scheduler._admit()
+        scheduler._step()
+    finished = outbox.finished()
+    text = {rid: engine.tokenizer.decode(outbox.tokens(rid), skip_special=True) for rid in finished}
+    assert finished["free"].reason == "length"
+    for rid in grammars:
+        assert finished[rid].reason == "stop", (rid, finished[rid], text[rid])
+    value = json.loads(text["json"])
+    assert isinstance(value["n"], int) and isinstance(value["ok"], bool) and set(value) == {"n", "ok"}
+    assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", text["regex"])
+    assert text["lark"] in ("yes", "no", "maybe")
+    assert json.loads(text["enum"]) in ("red", "green", 3)
+
+
+def test_a_grammar_that_does_not_compile_is_rejected_before_any_token(engine):
+    from shared.protocol import Rejected
+    from worker.grammar import GrammarEngine
+
+    outbox = Outbox()
+    grammar = GrammarEngine(engine.tokenizer, engine.model.hp.n_vocab)
+    scheduler = Scheduler(engine, SchedulerSettings(ctx=128), outbox, grammar=grammar)
+    scheduler.wake_io = scheduler.admit_compiled
+    scheduler.submit(b"gw", Generate("bad", [1, 2], {}, 5, grammar={"kind": "lark", "source": "start: nowhere"}))
+    scheduler.submit(b"gw", Generate("fmt", [1, 2], {}, 5, grammar={"kind": "json_schema",
+                                                                     "source": '{"type": "string", "format": "bogus"}'}))
+    grammar.pool.shutdown(wait=True)
+    rejected = {m.request_id: m for m in outbox.messages if isinstance(m, Rejected)}
+    assert "nowhere" in rejected["bad"].message and rejected["bad"].status == 400
+    assert "bogus" in rejected["fmt"].message
+    assert not [m for m in outbox.messages if isinstance(m, Tokens)]

@@ -1,0 +1,110 @@
+"""Constrained decoding with llguidance: grammars compiled per request, one matcher per stream,
+one token bitmask per step for the whole batch.
+
+The llguidance tokenizer is built from the same GGUF vocabulary the engine uses: every token's
+raw bytes, with control tokens (and user-defined ones shaped ``<...>``, such as ``<tool_call>``)
+marked special so grammars name them as tokens, and the model's end-of-turn ids as EOS.
+Compilation runs on a small thread pool, off the decode path.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import llguidance as llg
+import llguidance.numpy as llnp
+import numpy as np
+
+from shared.errors import InvalidRequestError
+from shared.tokenizer import Tokenizer
+
+KINDS = ("json_schema", "json_object", "regex", "lark", "llguidance")
+# Compact JSON with at most a little whitespace: a small model left free to emit whitespace can
+# loop on it forever inside a JSON value.
+JSON_OPTIONS = {"whitespace_pattern": r"[ \n]{0,2}"}
+
+
+class _Vocabulary:
+    """The duck-typed vocabulary llguidance.TokenizerWrapper reads."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id
+        user_defined_tags = {i for i in tokenizer.user_defined_ids
+                             if tokenizer.id_to_piece(i).startswith("<") and tokenizer.id_to_piece(i).endswith(">")}
+        self.special_token_ids = sorted(set(tokenizer.special_ids) | user_defined_tags)
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tokenizer.encode(text, add_special=False, parse_special=False)
+
+
+class GrammarEngine:
+    def __init__(self, tokenizer: Tokenizer, n_vocab: int, threads: int = 1):
+        self.tokenizer = tokenizer
+        self.n_vocab = n_vocab
+        self._ll_tokenizer: llg.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
+        self.executor = llg.LLExecutor()
+        self.think_close = tokenizer.piece_to_id("</think>")
+        self.pool.submit(self.ll_tokenizer)  # build it now (about half a second), off the IO thread
+
+    def ll_tokenizer(self) -> llg.LLTokenizer:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                stops = sorted(self.tokenizer.stop_ids) or [self.tokenizer.eos_id]
+                self._ll_tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary(self.tokenizer)),
+                                                     n_vocab=self.n_vocab, eos_token=stops)
+            return self._ll_tokenizer
+
+    def compile(self, kind: str, source: str) -> str:
+        """A serialized llguidance grammar, or InvalidRequestError naming what is wrong."""
+        if kind not in KINDS:
+            raise InvalidRequestError(f"grammar kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if kind == "json_object":
+            grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        elif kind == "json_schema":
+            try:
+                schema = json.loads(source) if isinstance(source, str) else source
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc.msg}")
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequestError("the JSON schema must be an object")
+            try:
+                grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            except ValueError as exc:
+                raise InvalidRequestError(f"the JSON schema cannot be used: {exc}")
+        elif kind == "regex":
+            grammar = llg.LLMatcher.grammar_from_regex(source)
+        elif kind == "lark":
+            grammar = llg.LLMatcher.grammar_from_lark(source)
+        else:
+            grammar = source
+        error = llg.LLMatcher.validate_grammar(grammar, self.ll_tokenizer())
+        if error:
+            raise InvalidRequestError(f"the {kind.replace('_', ' ')} does not compile: {error.strip()}")
+        return grammar
+
+    def matcher(self, grammar: str) -> llg.LLMatcher:
+        matcher = llg.LLMatcher(self.ll_tokenizer(), grammar)
+        if matcher.is_error():
+            raise InvalidRequestError(f"the grammar does not compile: {matcher.get_error()}")
+        return matcher
+
+    def compile_matcher(self, grammar: dict[str, Any]) -> "Future[llg.LLMatcher]":
+        """Compile on the pool; the future holds the matcher or raises InvalidRequestError."""
+        return self.pool.submit(lambda: self.matcher(self.compile(grammar.get("kind", ""), grammar.get("source", ""))))
+
+    def masks(self, matchers: list[llg.LLMatcher]) -> np.ndarray:
+        """Allowed-token masks [len(matchers), n_vocab] (bool), computed in one parallel call."""
+        bitmask = llnp.allocate_token_bitmask(len(matchers), self.ll_tokenizer().vocab_size)
+        llnp.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
+        return bits[:, :self.n_vocab].astype(bool)

@@ -1,0 +1,125 @@
+"""Spill resident KV to the kvstore and restore it: the worker's half of KV reuse beyond RAM.
+
+After a request finishes, the full chunks of its slot that the store lacks are copied out (on
+the engine thread: a memcpy) and written by a background thread (off the decode path). When a
+request arrives, the longest run of consecutive chunks the store holds beyond what its slot
+already has is read back into the slot, and only the rest of the prompt is computed. Any worker
+of the same model (same fingerprint) can restore what another spilled.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from kvstore.chunks import chunk_keys
+from kvstore.store import KVChunk, KVStore
+from worker.engine.kv_cache import KVCache
+
+log = logging.getLogger("lmserve.kvstore")
+
+
+@dataclass
+class SpillStats:
+    chunks_written: int = 0
+    chunks_restored: int = 0
+    chunks_dropped: int = 0  # the write queue was full
+
+
+class KVSpiller:
+    def __init__(self, store: KVStore, fingerprint: str, chunk_tokens: int, max_pending_bytes: int = 256 << 20):
+        self.store = store
+        self.fingerprint = fingerprint
+        self.chunk_tokens = chunk_tokens
+        self.max_pending_bytes = max_pending_bytes
+        self.stats = SpillStats()
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[str, KVChunk] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._writer, name="kv-spill", daemon=True)
+        self._thread.start()
+
+    def keys_for(self, tokens: list[int], prefix_ids: tuple[str, ...] = ()) -> list[str]:
+        return chunk_keys(self.fingerprint, tokens, self.chunk_tokens, prefix_ids)
+
+    # --- restore (engine thread) -----------------------------------------------------------
+
+    def restore(self, cache: KVCache, prompt: list[int], resident: int) -> int:
+        """Extend the cache's valid prefix of ``prompt`` from the store; returns its new length.
+
+        At least one prompt token is always left to compute (its logits start the reply).
+        """
+        usable = self.keys_for(prompt[:len(prompt) - 1])
+        first = resident // self.chunk_tokens  # the chunk holding the first position to fill
+        if len(usable) <= first:
+            return resident
+        available = self.store.present(usable)
+        length = resident
+        k_shape = (cache.n_layer, cache.n_kv_head, self.chunk_tokens, cache.head_dim)
+        v_shape = (cache.n_layer, cache.n_kv_head, self.chunk_tokens, cache.value_dim)
+        for index in range(first, available):
+            record = self.store.get(usable[index])
+            if record is None:
+                break
+            try:
+                chunk = KVChunk.decode(*record, k_shape, v_shape)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("kvstore chunk %s is unusable (%s); dropping it", usable[index], exc)
+                self.store.delete(usable[index])
+                break
+            start = index * self.chunk_tokens
+            cache.restore(start, chunk.keys, chunk.values, prompt[start:start + self.chunk_tokens])
+            length = start + self.chunk_tokens
+            self.stats.chunks_restored += 1
+        return length
+
+    # --- spill (engine thread copies, writer thread stores) ----------------------------------
+
+    def spill(self, cache: KVCache) -> int:
+        """Queue the cache's full chunks the store lacks; returns how many were queued."""
+        tokens = list(cache.tokens[:cache.length])
+        keys = self.keys_for(tokens)
+        have = self.store.present(keys)
+        queued = 0
+        for index in range(have, len(keys)):
+            size = self.chunk_tokens * cache.bytes_per_token
+            with self._lock:
+                if self._pending_bytes + size > self.max_pending_bytes:
+                    self.stats.chunks_dropped += len(keys) - index
+                    break
+                self._pending_bytes += size
+            k, v = cache.export(index * self.chunk_tokens, self.chunk_tokens)
+            self._queue.put((keys[index], KVChunk(k, v)))
+            queued += 1
+        return queued
+
+    def _writer(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            key, chunk = item
+            try:
+                self.store.put(key, *chunk.encode())
+                self.stats.chunks_written += 1
+            finally:
+                with self._lock:
+                    self._pending_bytes -= chunk.keys.nbytes + chunk.values.nbytes
+                self._queue.task_done()
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued chunk is written (shutdown, tests)."""
+        done = threading.Event()
+
+        def wait() -> None:
+            self._queue.join()
+            done.set()
+        threading.Thread(target=wait, daemon=True).start()
+        return done.wait(timeout)
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._thread.join(5)
