@@ -96,11 +96,16 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
     exceptions, so the caller can still answer with an HTTP error status.
     """
     tools = tool_calls.plan(view, request)
-    prompt = view.prompt_ids(request.messages, tools.declared, request.reasoning, request.prefill)
+    prompt = view.prompt_ids(tools.prompt_messages(request.messages), tools.declared, request.reasoning,
+                             request.prefill)
     view.check_fits(len(prompt))
     room = view.context_budget - len(prompt)
     max_tokens = min(request.max_tokens, room) if request.max_tokens else room
+    # A forced call's grammar, or the format the client asked for (plan refuses both at once).
+    grammar = tools.grammar or request.grammar
     worker_request = Generate(client.new_request_id(), prompt, request.sampling.to_wire(), max_tokens,
+                              grammar=grammar,
+                              grammar_after_reasoning=grammar is not None and request.grammar_after_reasoning,
                               cache_hint=request.cache_hint)
     tokenizer = view.tokenizer
     decoder = tokenizer.incremental_decoder(skip_special=True)
@@ -109,7 +114,7 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
         ReasoningSplitter(inside=request.prefill == "" and _prompt_opens_reasoning(view)
                           if view.has_reasoning_channel and request.reasoning else False),
         StopStringMatcher(request.stop),
-        tool_calls.ToolCallParser(tools.limit) if tools.parse else None)
+        tools.parser())
     usage = Usage(prompt_tokens=len(prompt))
     reasoning_tokens = 0
     stream = client.generate(worker_request)
@@ -179,7 +184,7 @@ class ReplyText:
     not reasoning, then tool-call parsing on what the stop strings release."""
 
     def __init__(self, splitter: ReasoningSplitter, stops: StopStringMatcher,
-                 parser: tool_calls.ToolCallParser | None):
+                 parser: tool_calls.ToolCallParser | tool_calls.WholeReplyCall | None):
         self.splitter = splitter
         self.stops = stops
         self.parser = parser

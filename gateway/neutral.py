@@ -27,7 +27,16 @@ class NeutralRequest:
     prefill: str = ""  # text the reply must continue from (Anthropic final assistant turn)
     stream: bool = False
     cache_hint: str | None = None  # session id for cache affinity
+    # The reply's constraint, as the worker takes it ({"kind": json_schema | json_object | regex |
+    # lark, "source": text}); forced tool calls bring their own (gateway/tool_calls.py).
+    grammar: dict[str, str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # dialect-specific echo values
+
+    @property
+    def grammar_after_reasoning(self) -> bool:
+        """With reasoning on, the model thinks freely first and the grammar holds what follows
+        ``</think>``."""
+        return self.reasoning
 
 
 @dataclass

@@ -19,6 +19,9 @@ Decisions a client may notice:
   fragments, each cut where the text so far is a prefix a partial-JSON reader accepts (Anthropic's
   SDK parses the accumulated fragments after every delta).
 - With parallel calls off, the reply ends after its first call (see ``ToolPlan.limit``).
+- A forced call (tool_choice required, a named tool, Anthropic any / tool) is a grammar: Hermes
+  blocks of the allowed tools on a model with the convention; on one without, the generic JSON
+  call format (told to the model in the system message, one call, read when the reply ends).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.errors import ANTHROPIC
 from gateway.neutral import (
     NeutralRequest,
     TextDelta,
@@ -46,32 +50,77 @@ ParsedEvent = TextDelta | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd
 
 # --- what a request's tools become --------------------------------------------------------------
 
+# The bound on JSON whitespace in a forced call (the worker uses the same one for JSON schemas):
+# a small model left free to write whitespace can loop on it forever inside a call.
+CALL_WHITESPACE = {"whitespace_pattern": r"[ \n]{0,2}"}
+CUSTOM_INPUT = "input"  # the one argument a freeform (custom) tool is called with
+
+# How a forced reply is read back: Hermes blocks, one generic JSON call object, or the whole
+# reply as the input of one freeform tool.
+HERMES, JSON_CALL, RAW_INPUT = "hermes", "json", "input"
+
+
 @dataclass(frozen=True)
 class ToolPlan:
     declared: list[dict[str, Any]]  # the tools the chat template is shown
     parse: bool  # scan the reply for calls
     limit: int | None  # calls after which the reply ends; None: no limit
+    grammar: dict[str, str] | None = None  # a forced call's constraint on the reply
+    instruction: str | None = None  # the generic call format, told to a model without a convention
+    call_format: str = HERMES
+    forced_name: str | None = None  # RAW_INPUT: the freeform tool the reply is the input of
+
+    def prompt_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The conversation as rendered: with the instruction added to the system message (or as
+        one), since the model was never taught the call format it is held to."""
+        if self.instruction is None:
+            return messages
+        if messages and messages[0].get("role") == "system":
+            first = messages[0]
+            return [{**first, "content": f"{first.get('content') or ''}\n\n{self.instruction}".lstrip()},
+                    *messages[1:]]
+        return [{"role": "system", "content": self.instruction}, *messages]
+
+    def parser(self) -> ToolCallParser | WholeReplyCall | None:
+        if not self.parse:
+            return None
+        if self.call_format == JSON_CALL:
+            return WholeReplyCall()
+        if self.call_format == RAW_INPUT:
+            return WholeReplyCall(self.forced_name)
+        return ToolCallParser(self.limit)
 
 
-def plan(view: ModelView, request: NeutralRequest, refuse_forced: bool = True) -> ToolPlan:
+def plan(view: ModelView, request: NeutralRequest) -> ToolPlan:
     """How a request's tools are handled on this model.
 
-    Without a tool convention the model cannot call anything: its declarations are dropped, so
-    a client that always sends tools still gets plain chat, and a call the client insists on is
-    refused (a model can only be made to call through constrained decoding).
+    Without a tool convention the model calls nothing of its own accord: its declarations are
+    dropped, so a client that always sends tools still gets plain chat. A call the client insists
+    on is made anyway: the model is told the generic JSON call format and held to it by a grammar.
+    With a convention, a forced call is held to the Hermes blocks by a Lark grammar.
     With ``tool_choice`` none the tools are not shown, so the model has no call to make.
-    refuse_forced=False is for counting a prompt, which never runs.
     """
+    choice = request.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "custom":
+        return _forced_custom(request, choice)
+    forced = forced_tools(request)
+    if forced is not None and request.grammar is not None:
+        raise InvalidRequestError("tool_choice forces a tool call and the request also constrains the "
+                                  "reply's format; send one of them", param="tool_choice")
     if not view.has_tool_convention:
-        if refuse_forced and forces_call(request.tool_choice):
-            raise InvalidRequestError(
-                f"forced tool calls need constrained decoding, which this server does not have yet; "
-                f"the model {view.model_id} has no tool-call convention of its own, so send "
-                f"tool_choice auto or none", param="tool_choice")
-        return ToolPlan([], False, None)
+        if forced is None:
+            return ToolPlan([], False, None)
+        schema = ({"anyOf": [_call_schema(request, tool, whitespace=False) for tool in forced]}
+                  if len(forced) > 1 else _call_schema(request, forced[0], whitespace=False))
+        return ToolPlan([], True, 1, grammar={"kind": "json_schema", "source": json.dumps(schema)},
+                        instruction=_json_call_instruction(request, forced), call_format=JSON_CALL)
     if not request.tools or request.tool_choice == "none":
         return ToolPlan([], False, None)
-    return ToolPlan(request.tools, True, None if request.parallel_tool_calls else 1)
+    limit = None if request.parallel_tool_calls else 1
+    if forced is None:
+        return ToolPlan(request.tools, True, limit)
+    return ToolPlan(request.tools, True, limit,
+                    grammar={"kind": "lark", "source": hermes_lark(request, forced, limit is None)})
 
 
 def forces_call(tool_choice: Any) -> bool:
@@ -87,6 +136,117 @@ def forces_call(tool_choice: Any) -> bool:
         mode = nested.get("mode") if isinstance(nested, dict) else tool_choice.get("mode")
         return mode == "required"
     return kind in ("function", "custom", "tool", "any")
+
+
+def forced_tools(request: NeutralRequest) -> list[dict[str, Any]] | None:
+    """The tools one of which the reply must call, or None when no call is forced."""
+    choice = request.tool_choice
+    if not forces_call(choice):
+        return None
+    if not request.tools:
+        raise InvalidRequestError("tool_choice forces a tool call, but the request has no tools",
+                                  param="tool_choice")
+    by_name = {tool["function"]["name"]: tool for tool in request.tools}
+    if not isinstance(choice, dict) or choice.get("type") == "any":
+        return request.tools
+    if choice.get("type") == "allowed_tools":
+        nested = choice.get("allowed_tools")
+        listed = (nested if isinstance(nested, dict) else choice).get("tools") or []
+        names = [entry.get("name") or (entry.get("function") or {}).get("name")
+                 for entry in listed if isinstance(entry, dict)]
+    else:
+        function = choice.get("function")
+        names = [choice.get("name") or (function.get("name") if isinstance(function, dict) else None)]
+    unknown = [name for name in names if name not in by_name]
+    if unknown or not names:
+        raise InvalidRequestError(f"tool_choice names {unknown or 'no tool'}, which is not among the "
+                                  f"request's tools ({', '.join(by_name)})", param="tool_choice")
+    return [by_name[name] for name in dict.fromkeys(names)]
+
+
+def _arguments_schema(request: NeutralRequest, function: dict[str, Any]) -> dict[str, Any]:
+    """The arguments' contract: the tool's schema where the client made it one (Anthropic's
+    input_schema always, OpenAI's parameters with strict: true), else any object."""
+    parameters = function.get("parameters")
+    binding = request.dialect == ANTHROPIC or function.get("strict") is True
+    return parameters if binding and isinstance(parameters, dict) else {"type": "object"}
+
+
+def _call_schema(request: NeutralRequest, tool: dict[str, Any], whitespace: bool = True) -> dict[str, Any]:
+    function = tool["function"]
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, "arguments": _arguments_schema(request, function)},
+        "required": ["name", "arguments"], "additionalProperties": False}
+    if whitespace:  # a %json block inside Lark takes its options from the schema itself
+        schema["x-guidance"] = CALL_WHITESPACE
+    return schema
+
+
+def hermes_lark(request: NeutralRequest, tools: list[dict[str, Any]], parallel: bool) -> str:
+    """A Lark grammar for one or more Hermes call blocks of these tools.
+
+    The tags are special tokens of the model's vocabulary, so the grammar names them as tokens
+    (a string literal would never match them). After a reasoning block the model's own layout,
+    up to two line breaks, may come before the first call.
+    """
+    alternatives = " | ".join(f"fn_{i}" for i in range(len(tools)))
+    functions = "\n".join(f"fn_{i}: %json {json.dumps(_call_schema(request, tool))}" for i, tool in enumerate(tools))
+    lead = '"\\n"? "\\n"? ' if request.grammar_after_reasoning else ""
+    more = ' ("\\n" tc)*' if parallel else ""
+    return (f"start: {lead}tc{more}\n"
+            f'tc: {TOOL_CALL_OPEN} "\\n" ({alternatives}) "\\n" {TOOL_CALL_CLOSE}\n'
+            f"{functions}\n")
+
+
+def _json_call_instruction(request: NeutralRequest, tools: list[dict[str, Any]]) -> str:
+    lines = [("Answer with a call of one of the tools below and nothing else: a single JSON object "
+              '{"name": <the tool\'s name>, "arguments": {<its arguments>}}.'), "Tools:"]
+    for tool in tools:
+        function = tool["function"]
+        description = f": {function['description']}." if function.get("description") else "."
+        lines.append(f"- {function['name']}{description} Arguments schema: "
+                     f"{json.dumps(_arguments_schema(request, function), ensure_ascii=False)}")
+    return "\n".join(lines)
+
+
+def _forced_custom(request: NeutralRequest, choice: dict[str, Any]) -> ToolPlan:
+    """A forced freeform tool: the whole reply is its input, held to the tool's own grammar
+    (which the dialect put in ``request.grammar``) when it has one."""
+    name = choice.get("name")
+    tool = next((t["function"] for t in request.tools if t["function"]["name"] == name), None)
+    if tool is None:
+        raise InvalidRequestError(f"tool_choice names the custom tool {name!r}, which is not among the "
+                                  f"request's tools", param="tool_choice")
+    description = f" ({tool['description']})" if tool.get("description") else ""
+    instruction = (f"Answer with nothing but the input for the tool {name}{description}: no "
+                   f"explanation, no quotes, no markup around it.")
+    return ToolPlan([], True, 1, grammar=request.grammar, instruction=instruction, call_format=RAW_INPUT,
+                    forced_name=name)
+
+
+class WholeReplyCall:
+    """The whole reply is one call: a generic JSON call object, or (with ``name``) the raw input
+    of that freeform tool. The grammar made it whole, so it is read once the reply ends; a reply
+    that is not a call after all comes back as the text it is."""
+
+    def __init__(self, name: str | None = None):
+        self.name = name
+        self.text = ""
+        self.completed = 0
+        self.done = False  # the grammar ends the reply; nothing needs cutting off
+
+    def push(self, text: str) -> list[ParsedEvent]:
+        self.text += text
+        return []
+
+    def flush(self) -> list[ParsedEvent]:
+        text, self.text = self.text, ""
+        call = (self.name, {CUSTOM_INPUT: text}) if self.name is not None else parse_call(text.strip())
+        if call is None:
+            return [TextDelta(text)] if text else []
+        self.completed += 1
+        return call_events(0, *call)
 
 
 # --- the stream parser --------------------------------------------------------------------------
@@ -183,12 +343,7 @@ class ToolCallParser:
             self._text(self.gap + TOOL_CALL_OPEN + raw + TOOL_CALL_CLOSE, out)
             self.gap = ""
             return
-        name, arguments = call
-        index, call_id = self.completed, secrets.token_hex(12)
-        arguments_json = json.dumps(arguments, ensure_ascii=False)
-        out.append(ToolCallStart(index, call_id, name))
-        out.extend(ToolCallArgumentsDelta(index, piece) for piece in json_fragments(arguments_json))
-        out.append(ToolCallEnd(index, call_id, name, arguments_json))
+        out.extend(call_events(self.completed, *call))
         self.completed += 1
         self.after_call, self.gap = True, ""
 
@@ -198,6 +353,15 @@ class ToolCallParser:
         if text:
             self.after_call = False
             out.append(TextDelta(text))
+
+
+def call_events(index: int, name: str, arguments: dict[str, Any]) -> list[ParsedEvent]:
+    """One whole call as the neutral events every dialect renders."""
+    call_id = secrets.token_hex(12)
+    arguments_json = json.dumps(arguments, ensure_ascii=False)
+    return [ToolCallStart(index, call_id, name),
+            *(ToolCallArgumentsDelta(index, piece) for piece in json_fragments(arguments_json)),
+            ToolCallEnd(index, call_id, name, arguments_json)]
 
 
 def parse_call(raw: str) -> tuple[str, dict[str, Any]] | None:

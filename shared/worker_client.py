@@ -48,6 +48,8 @@ from shared.protocol import (
 
 log = logging.getLogger("lmserve.gateway")
 
+FIRST_REPLY_TIMEOUT = 60.0
+
 
 class ProtocolVersionError(LmserveError):
     status = 503
@@ -63,6 +65,7 @@ class WorkerClient:
         # the request is cut off; the worker never waits for a slow reader.
         self.max_buffered = max_buffered
         self._cut: set[str] = set()
+        self._accepted: set[str] = set()  # requests the current worker instance accepted
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
@@ -126,10 +129,10 @@ class WorkerClient:
         finished = False
         try:
             await self._send(request)
-            first = await queue.get()
+            first = await self._first_reply(queue)
             if isinstance(first, Rejected) and first.kind == HELLO_FIRST:
                 # A new worker instance that has not heard our HELLO yet: greet it, then resend.
-                self._lost("the worker restarted; greeting the new one")
+                self._ready.clear()
                 await self._send(Hello(PROTOCOL_VERSION, self.name))
                 try:
                     await asyncio.wait_for(self._ready.wait(), self.heartbeat_timeout)
@@ -137,9 +140,9 @@ class WorkerClient:
                     finished = True
                     raise WorkerUnavailableError("the worker restarted and did not answer HELLO")
                 while not queue.empty():
-                    queue.get_nowait()  # the failure _lost() queued for us
+                    queue.get_nowait()
                 await self._send(request)
-                first = await queue.get()
+                first = await self._first_reply(queue)
             if isinstance(first, LmserveError):
                 finished = True
                 raise first
@@ -156,6 +159,7 @@ class WorkerClient:
             if not isinstance(first, Accepted):
                 finished = isinstance(first, Finished)
                 raise WorkerUnavailableError(f"unexpected {type(first).__name__} before ACCEPTED")
+            self._accepted.add(rid)
             yield first
             while True:
                 item = await queue.get()
@@ -172,6 +176,7 @@ class WorkerClient:
             # No await in here: this runs while the caller is being cancelled (client gone),
             # and the ABORT must still go out, so it goes out on a task of its own.
             self._pending.pop(rid, None)
+            self._accepted.discard(rid)
             if rid in self._cut:
                 self._cut.discard(rid)  # its ABORT went out when it was cut
             elif not finished and self._socket is not None:
@@ -202,7 +207,10 @@ class WorkerClient:
             elif isinstance(message, Heartbeat):
                 self.worker_load = (message.waiting, message.running)
                 if self.card is not None and message.instance and message.instance != self.card.instance:
-                    self._lost("the worker restarted; requests in flight were lost")
+                    # A new worker: what the old one accepted is lost; requests it never
+                    # answered reached the new one, which asks for HELLO and gets them resent.
+                    self._ready.clear()
+                    self._fail_accepted("the worker restarted; requests in flight were lost")
             elif isinstance(message, Rejected) and message.kind == "protocol_version":
                 self.version_error = message.message
                 log.error("%s", message.message)
@@ -215,6 +223,14 @@ class WorkerClient:
                     self._cut_off(rid, queue)
                     continue
                 queue.put_nowait(message)
+
+    async def _first_reply(self, queue: asyncio.Queue) -> Message | LmserveError:
+        """The worker answers every GENERATE at once (ACCEPTED, BUSY or REJECTED), or after its
+        grammar compiled; silence this long means the request died with a worker."""
+        try:
+            return await asyncio.wait_for(queue.get(), FIRST_REPLY_TIMEOUT)
+        except TimeoutError:
+            return WorkerUnavailableError(f"the worker did not answer within {FIRST_REPLY_TIMEOUT:.0f} s")
 
     def _cut_off(self, rid: str, queue: asyncio.Queue) -> None:
         """Drop a request whose reader fell too far behind: free the worker, end the stream."""
@@ -236,7 +252,7 @@ class WorkerClient:
             log.error("%s", self.version_error)
             return
         if self.card is not None and card.instance != self.card.instance:
-            self._fail_all(WorkerUnavailableError("the worker restarted; requests in flight were lost"))
+            self._fail_accepted("the worker restarted; requests in flight were lost")
         self.card = card
         self.version_error = None
         self._ready.set()
@@ -246,6 +262,12 @@ class WorkerClient:
             log.warning("%s", reason)
         self._ready.clear()
         self._fail_all(WorkerUnavailableError(reason))
+
+    def _fail_accepted(self, reason: str) -> None:
+        for rid in list(self._accepted):
+            queue = self._pending.get(rid)
+            if queue is not None:
+                queue.put_nowait(WorkerUnavailableError(reason))
 
     def _fail_all(self, error: LmserveError) -> None:
         for queue in self._pending.values():

@@ -17,7 +17,15 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from gateway import sse, tool_calls
-from gateway.dialects.common import max_tokens_field, new_id, stop_list
+from gateway.dialects.common import (
+    GRAMMAR_FIELD,
+    grammar_extension,
+    json_format_grammar,
+    max_tokens_field,
+    new_id,
+    one_constraint,
+    stop_list,
+)
 from gateway.errors import ANTHROPIC, sse_error_payload
 from gateway.generation import Completion
 from gateway.neutral import (
@@ -39,7 +47,7 @@ from shared.sampling_params import SamplingParams
 
 HONORED = {
     "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p",
-    "top_k", "tools", "tool_choice", "thinking", "output_config", "output_format",
+    "top_k", "tools", "tool_choice", "thinking", "output_config", "output_format", "grammar",
 }
 # Every other field of the current and beta MessageCreateParams: accepted so that a client
 # sending them (Claude Code sends several) is never refused, and otherwise without effect.
@@ -79,15 +87,16 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
 def count_tokens(body: dict[str, Any], view: ModelView, headers: Any) -> int:
     """The prompt length a generation with this body would have (same parse, same rendering)."""
     request = _parse(body, view, headers, counting=True)
-    declared = tool_calls.plan(view, request, refuse_forced=False).declared
-    return len(view.prompt_ids(request.messages, declared, request.reasoning, request.prefill))
+    tools = tool_calls.plan(view, request)
+    return len(view.prompt_ids(tools.prompt_messages(request.messages), tools.declared, request.reasoning,
+                               request.prefill))
 
 
 def _parse(body: dict[str, Any], view: ModelView, headers: Any, counting: bool) -> NeutralRequest:
     reject_unknown(body, HONORED | IGNORED)
     # count_tokens has no max_tokens; a generation must say how long it may be.
     max_tokens = None if counting else _max_tokens(body)
-    _check_output_config(body)
+    grammar = _output_format(body)
     reasoning, display = _thinking(body, view)
     messages, prefill = _conversation(body)
     tool_choice, parallel = _tool_choice(body)
@@ -110,6 +119,7 @@ def _parse(body: dict[str, Any], view: ModelView, headers: Any, counting: bool) 
         prefill=prefill,
         stream=bool(field(body, "stream", bool, default=False)),
         cache_hint=headers.get("x-claude-code-session-id") if headers is not None else None,
+        grammar=grammar,
         extra={"thinking_display": display},
     )
 
@@ -121,16 +131,25 @@ def _max_tokens(body: dict[str, Any]) -> int:
     return value
 
 
-def _check_output_config(body: dict[str, Any]) -> None:
+def _output_format(body: dict[str, Any]) -> dict[str, str] | None:
+    """Checks output_config, and returns the grammar its format (or the older top-level
+    output_format, or this server's grammar extension) asks for."""
     config = field(body, "output_config", dict, default={})
     effort = field(config, "effort", str, "output_config")
     if effort is not None and effort not in EFFORTS:
         raise InvalidRequestError(f"'output_config.effort' must be one of {', '.join(EFFORTS)}, got {effort!r}",
                                   param="output_config.effort")
+    formats: list[tuple[str, dict[str, str] | None]] = []
     for key, value in (("output_config.format", config.get("format")), ("output_format", body.get("output_format"))):
+        grammar = None
         if value is not None:
-            raise InvalidRequestError(f"'{key}' (structured output) is not available on this server yet",
-                                      param=key)
+            check_type(value, dict, key)
+            kind = field(value, "type", str, key, required=True)
+            if kind != "json_schema":  # Anthropic's only structured-output type
+                raise InvalidRequestError(f"'{key}.type' must be json_schema, got {kind!r}", param=f"{key}.type")
+            grammar = json_format_grammar(kind, field(value, "schema", dict, key, required=True), key)
+        formats.append((key, grammar))
+    return one_constraint(*formats, (GRAMMAR_FIELD, grammar_extension(body)))
 
 
 def _thinking(body: dict[str, Any], view: ModelView) -> tuple[bool, str | None]:

@@ -3,6 +3,7 @@ sampling fields. (Wire shapes stay in each dialect's own module.)"""
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any
 
@@ -67,3 +68,45 @@ def logprob_entries(items: list[TokenLogprob]) -> list[dict[str, Any]]:
     return [{"token": item.token, "logprob": item.logprob, "bytes": item.bytes,
              "top_logprobs": [{"token": t, "logprob": lp, "bytes": b} for t, lp, b in item.top]}
             for item in items]
+
+
+# --- constrained output ---------------------------------------------------------------------
+
+GRAMMAR_FIELD = "grammar"  # this server's extension, the same in every dialect (docs/API.md)
+GRAMMAR_SYNTAXES = ("regex", "lark")
+
+
+def grammar_extension(body: dict[str, Any]) -> dict[str, str] | None:
+    """The top-level ``grammar`` extension, ``{"type": "regex" | "lark", "definition": text}``, as
+    the worker's grammar; whether it compiles is the worker's check (a 400 before any token)."""
+    value = field(body, GRAMMAR_FIELD, dict)
+    if value is None:
+        return None
+    syntax = field(value, "type", str, GRAMMAR_FIELD, required=True)
+    if syntax not in GRAMMAR_SYNTAXES:
+        raise InvalidRequestError(f"'{GRAMMAR_FIELD}.type' must be one of {', '.join(GRAMMAR_SYNTAXES)}, "
+                                  f"got {syntax!r}", param=f"{GRAMMAR_FIELD}.type")
+    return {"kind": syntax, "source": field(value, "definition", str, GRAMMAR_FIELD, required=True)}
+
+
+def json_format_grammar(kind: str, schema: Any, param: str) -> dict[str, str] | None:
+    """A JSON output format (``json_object`` or ``json_schema`` with its schema) as the worker's
+    grammar; ``text`` is no constraint at all."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"kind": "json_object", "source": ""}
+    if kind != "json_schema":
+        raise InvalidRequestError(f"'{param}.type' must be text, json_object or json_schema, got {kind!r}",
+                                  param=f"{param}.type")
+    check_type(schema, dict, f"{param}.schema")
+    return {"kind": "json_schema", "source": json.dumps(schema)}
+
+
+def one_constraint(*candidates: tuple[str, dict[str, str] | None]) -> dict[str, str] | None:
+    """The reply's one grammar: two fields that each constrain it cannot both hold."""
+    given = [(name, grammar) for name, grammar in candidates if grammar is not None]
+    if len(given) > 1:
+        raise InvalidRequestError(f"'{given[0][0]}' and '{given[1][0]}' both constrain the reply's format; "
+                                  f"send one of them", param=given[1][0])
+    return given[0][1] if given else None

@@ -9,9 +9,13 @@ from typing import Any
 
 from gateway import sse
 from gateway.dialects.common import (
+    GRAMMAR_FIELD,
+    grammar_extension,
+    json_format_grammar,
     logprob_entries,
     max_tokens_field,
     new_id,
+    one_constraint,
     reasoning_from_effort,
     stop_list,
 )
@@ -44,7 +48,7 @@ HONORED = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
     "min_p", "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "logit_bias", "logprobs", "top_logprobs", "n", "stream", "stream_options", "reasoning_effort",
-    "tools", "tool_choice", "parallel_tool_calls", "response_format", "prompt_cache_key",
+    "tools", "tool_choice", "parallel_tool_calls", "response_format", "prompt_cache_key", "grammar",
 }
 IGNORED = {
     "user", "safety_identifier", "metadata", "store", "service_tier", "prompt_cache_retention",
@@ -70,10 +74,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
     n = field(body, "n", int, default=1)
     if n != 1:
         raise InvalidRequestError(f"'n' must be 1: this server returns one choice per request, got {n}", param="n")
-    response_format = field(body, "response_format", dict)
-    if response_format is not None and field(response_format, "type", str, "response_format") != "text":
-        raise InvalidRequestError("'response_format' other than text is not available on this server yet",
-                                  param="response_format")
+    grammar = one_constraint(("response_format", _response_format(body)), (GRAMMAR_FIELD, grammar_extension(body)))
     messages = [_message(m, i) for i, m in enumerate(field(body, "messages", list, required=True))]
     stream = bool(field(body, "stream", bool, default=False))
     stream_options = field(body, "stream_options", dict, default={})
@@ -117,8 +118,22 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         reasoning=reasoning_from_effort(effort, view, "reasoning_effort", reject_unsupported=True),
         stream=stream,
         cache_hint=field(body, "prompt_cache_key", str),
+        grammar=grammar,
         extra={"include_usage": bool(field(stream_options, "include_usage", bool, "stream_options", default=False))},
     )
+
+
+def _response_format(body: dict[str, Any]) -> dict[str, str] | None:
+    response_format = field(body, "response_format", dict)
+    if response_format is None:
+        return None
+    kind = field(response_format, "type", str, "response_format", required=True)
+    schema = None
+    if kind == "json_schema":
+        # strict or not, the schema is held to: constrained decoding costs nothing extra here
+        spec = field(response_format, "json_schema", dict, "response_format", required=True)
+        schema = field(spec, "schema", dict, "response_format.json_schema", default={"type": "object"})
+    return json_format_grammar(kind, schema, "response_format")
 
 
 def _message(message: Any, i: int) -> dict[str, Any]:

@@ -17,7 +17,9 @@ Decisions a client may notice:
   to the model as a function of one string, ``input``; a call of one comes back as a
   ``custom_tool_call`` item with that input. Hosted tools (web_search, file_search, mcp, ...)
   cannot run here and are skipped without failing.
-- ``text.format`` json_object / json_schema are refused until constrained decoding lands.
+- ``text.format`` json_object / json_schema (strict or not) hold the reply to JSON / the schema;
+  a forced ``custom`` tool (tool_choice ``{type: custom, name}``) holds the whole reply to the
+  tool's Lark or regex grammar and returns it as that tool's ``custom_tool_call`` input.
 - ``truncation`` is accepted but the prompt is never cut: one beyond the context budget is a 400
   with code ``context_length_exceeded``.
 - Top-level fields are checked strictly (an unknown one is a 400); inside input items only the
@@ -36,9 +38,14 @@ from typing import Any
 from gateway import sse
 from gateway.dialects.common import (
     EFFORT_OFF,
+    GRAMMAR_FIELD,
+    GRAMMAR_SYNTAXES,
+    grammar_extension,
+    json_format_grammar,
     logprob_entries,
     max_tokens_field,
     new_id,
+    one_constraint,
     reasoning_from_effort,
 )
 from gateway.errors import RESPONSES, error_body
@@ -70,7 +77,7 @@ from shared.sampling_params import SamplingParams
 HONORED = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "top_logprobs",
     "reasoning", "text", "tools", "tool_choice", "parallel_tool_calls", "stream", "store", "include",
-    "prompt_cache_key", "metadata", "truncation", "background",
+    "prompt_cache_key", "metadata", "truncation", "background", "grammar",
 }
 IGNORED = {
     "user", "safety_identifier", "client_metadata", "service_tier", "stream_options",
@@ -136,6 +143,26 @@ class _ToolSet:
         return {self.flat_name(function["name"], namespace): {"namespace": namespace, "name": function["name"]}
                 for namespace, function in self.declared if namespace is not None}
 
+    def forced_custom_grammar(self, tool_choice: Any) -> dict[str, str] | None:
+        """The grammar of the freeform tool a tool_choice forces ({type: custom, name}), if that
+        tool has one (format {type: grammar, syntax: lark | regex, definition})."""
+        if not isinstance(tool_choice, dict) or tool_choice.get("type") != "custom":
+            return None
+        name = field(tool_choice, "name", str, "tool_choice", required=True)
+        tool = next((t for t in self.custom if self.flat_name(t["name"], t.get("namespace")) == name), None)
+        if tool is None:
+            raise InvalidRequestError(f"tool_choice names the custom tool {name!r}, which is not among "
+                                      f"the request's tools", param="tool_choice.name")
+        tool_format = field(tool, "format", dict, "tools[].custom", default={"type": "text"})
+        if field(tool_format, "type", str, "tools[].custom.format", default="text") != "grammar":
+            return None
+        syntax = field(tool_format, "syntax", str, "tools[].custom.format", required=True)
+        if syntax not in GRAMMAR_SYNTAXES:
+            raise InvalidRequestError(f"the custom tool {name!r} has a grammar of syntax {syntax!r}; "
+                                      f"this server takes {', '.join(GRAMMAR_SYNTAXES)}", param="tools")
+        return {"kind": syntax, "source": field(tool_format, "definition", str, "tools[].custom.format",
+                                                 required=True)}
+
     def custom_names(self) -> list[str]:
         """Flattened names of the freeform tools, whose calls come back as custom_tool_call items."""
         return [self.flat_name(tool["name"], tool.get("namespace")) for tool in self.custom]
@@ -153,9 +180,10 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
                                   param="background")
     text = field(body, "text", dict, default={})
     text_format = field(text, "format", dict, "text", default={"type": "text"})
-    if field(text_format, "type", str, "text.format", required=True) != "text":
-        raise InvalidRequestError("'text.format' other than text is not available on this server yet",
-                                  param="text.format")
+    format_kind = field(text_format, "type", str, "text.format", required=True)
+    format_grammar = json_format_grammar(
+        format_kind, field(text_format, "schema", dict, "text.format", required=format_kind == "json_schema"),
+        "text.format")
     field(text, "verbosity", str, "text")
     truncation = field(body, "truncation", str, default="disabled")
     if truncation not in ("auto", "disabled"):
@@ -199,6 +227,8 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
 
     tool_choice = body.get("tool_choice", "auto")
     check_type(tool_choice, (str, dict), "tool_choice")
+    grammar = one_constraint(("text.format", format_grammar), (GRAMMAR_FIELD, grammar_extension(body)),
+                             ("tool_choice", tools.forced_custom_grammar(tool_choice)))
     metadata = field(body, "metadata", dict, default={})
     field(body, "client_metadata", dict)
     max_output_tokens = max_tokens_field(body, "max_output_tokens")
@@ -225,6 +255,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         reasoning=reasoning,
         stream=bool(field(body, "stream", bool, default=False)),
         cache_hint=cache_key,
+        grammar=grammar,
         extra={"echo": echo, "custom_tools": tools.custom, "namespaced_tools": tools.namespaced(),
                "custom_tool_names": tools.custom_names()},
     )

@@ -222,10 +222,10 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
         {"type": "document", "source": {"type": "url", "url": "https://example.com/a.pdf"}}]}]}],
       "max_tokens": 5}, "text only"),
-    ({"messages": PARIS, "max_tokens": 5, "output_config": {"format": {"type": "json_schema", "schema": {}}}},
-     "not available on this server yet"),
-    ({"messages": PARIS, "max_tokens": 5, "output_format": {"type": "json_schema", "schema": {}}},
-     "not available on this server yet"),
+    ({"messages": PARIS, "max_tokens": 5, "output_config": {"format": {"type": "json_object"}}},
+     "must be json_schema"),
+    ({"messages": PARIS, "max_tokens": 5, "output_format": {"type": "json_schema", "schema": {}},
+      "output_config": {"format": {"type": "json_schema", "schema": {}}}}, "both constrain"),
 ])
 def test_bad_requests_get_a_400_in_anthropic_shape(stack, body, fragment):
     response = httpx.post(stack.url + "/v1/messages", json={"model": "m", **body}, headers=HEADERS, timeout=30)

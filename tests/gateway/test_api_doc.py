@@ -256,7 +256,7 @@ def test_cheap_error_rows_on_the_live_stack(stack, dialect, error_rows):
     check_row(error_rows, "wrong type", dialect, post(stack, dialect, {**dialect.minimal, "temperature": "hot"}))
     check_row(error_rows, "unknown field", dialect, post(stack, dialect, {**dialect.minimal, "nope": 1}))
     refused = {"chat": {"n": 2}, "responses": {"background": True},
-               "messages": {"output_format": {"type": "json_schema", "schema": {}}}}[dialect.name]
+               "messages": {"output_format": {"type": "json_object"}}}[dialect.name]
     check_row(error_rows, "rejected field", dialect, post(stack, dialect, {**dialect.minimal, **refused}))
     check_row(error_rows, "unknown path", dialect, post(stack, dialect, {}, path=UNKNOWN_PATHS[dialect.name]))
     check_row(error_rows, "wrong method", dialect, http.get(stack.url + dialect.path))

@@ -425,25 +425,3 @@ def test_tools_are_dropped_on_a_model_without_a_tool_convention(stack):
     assert "Paris" in answer.output_text
     counted = claude.messages.count_tokens(model="m", messages=[user(question)], tools=ANTHROPIC_TOOLS)
     assert counted.input_tokens == claude.messages.count_tokens(model="m", messages=[user(question)]).input_tokens
-
-
-def test_forced_calls_are_refused_on_a_model_without_a_tool_convention(stack):
-    oai = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
-    claude = anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0)
-    attempts = [
-        lambda: oai.chat.completions.create(model="m", messages=[user("Hi")], tools=CHAT_TOOLS,
-                                            tool_choice="required", max_tokens=5),
-        lambda: oai.chat.completions.create(model="m", messages=[user("Hi")], tools=CHAT_TOOLS, max_tokens=5,
-                                            tool_choice={"type": "function", "function": {"name": "get_weather"}}),
-        lambda: oai.responses.create(model="m", input="Hi", tools=RESPONSES_TOOLS, tool_choice="required",
-                                     max_output_tokens=5),
-        lambda: claude.messages.create(model="m", messages=[user("Hi")], tools=ANTHROPIC_TOOLS, max_tokens=5,
-                                       tool_choice={"type": "any"}),
-        lambda: claude.messages.create(model="m", messages=[user("Hi")], tools=ANTHROPIC_TOOLS, max_tokens=5,
-                                       tool_choice={"type": "tool", "name": "get_weather"}),
-    ]
-    for attempt in attempts:
-        with pytest.raises((openai.BadRequestError, anthropic.BadRequestError)) as error:
-            attempt()
-        assert error.value.status_code == 400
-        assert "forced tool calls need constrained decoding" in str(error.value)

@@ -380,3 +380,23 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(batch_worker):
     order = run(go())
     between = order[order.index("accepted"):order.index("long")]
     assert between.count("short") >= 4, order
+
+
+def test_a_request_sent_across_a_worker_restart_is_resent_not_lost(start_worker, default_model):
+    worker = start_worker(default_model, "--ctx", "256")
+
+    async def go():
+        client = WorkerClient(worker.endpoint, heartbeat_interval=60.0, heartbeat_timeout=300.0)
+        await client.start()
+        await client.wait_ready(60)
+        first_instance = client.card.instance
+        worker.kill()
+        worker.start()
+        await asyncio.get_running_loop().run_in_executor(None, worker.wait_ready)  # up; our heartbeat has not told us
+        assert client.ready  # still holding the old card
+        ids, finished = await _collect(client, _greedy(client, [1, 2, 3], 3))
+        await client.close()
+        return first_instance, client.card.instance, finished
+    first, second, finished = run(go())
+    assert first != second
+    assert finished.reason == "length"
