@@ -288,18 +288,23 @@ class Scheduler:
             self._emit(stream, logits, masks.get(id(stream)))
 
     def _masks(self, streams: list[Stream]) -> dict[int, np.ndarray]:
-        """One bitmask computation for every constrained stream of this step."""
+        """One bitmask computation for every constrained stream of this step; if that fails,
+        each stream's mask alone, so only a stream whose matcher is at fault ends."""
         constrained = [s for s in streams if s.matcher is not None and s.grammar_active]
         if not constrained:
             return {}
         try:
             rows = self.grammar.masks([s.matcher for s in constrained])
-        except Exception as exc:
-            log.exception("computing grammar masks failed")
-            for stream in constrained:
-                self._finish(stream, FinishReason.ERROR, f"the grammar failed: {exc}")
-            return {}
-        return {id(stream): row for stream, row in zip(constrained, rows)}
+            return {id(stream): row for stream, row in zip(constrained, rows)}
+        except Exception:
+            log.exception("computing the batch's grammar masks failed; retrying stream by stream")
+        masks = {}
+        for stream in constrained:
+            try:
+                masks[id(stream)] = self.grammar.masks([stream.matcher])[0]
+            except Exception as exc:
+                self._finish(stream, FinishReason.ERROR, f"the grammar matcher failed: {exc}")
+        return masks
 
     def _forward(self, batch: list[tuple[Stream, list[int]]]) -> list[np.ndarray | None]:
         """One weight pass for the batch; if it fails, retry each stream alone so only the
@@ -325,6 +330,9 @@ class Scheduler:
         request = stream.request
         if stream not in self.running:
             return  # ended while its mask was computed
+        if stream.matcher is not None and stream.grammar_active and stream.matcher.is_error():
+            self._finish(stream, FinishReason.ERROR, f"the grammar matcher failed: {stream.matcher.get_error()}")
+            return
         try:
             token = stream.sampler.sample(logits, allowed)
         except Exception as exc:

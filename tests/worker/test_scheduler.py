@@ -168,3 +168,37 @@ def test_a_grammar_that_does_not_compile_is_rejected_before_any_token(engine):
     assert "nowhere" in rejected["bad"].message and rejected["bad"].status == 400
     assert "bogus" in rejected["fmt"].message
     assert not [m for m in outbox.messages if isinstance(m, Tokens)]
+
+
+def test_a_matcher_that_fails_mid_stream_ends_only_its_stream(engine):
+    """A grammar matcher that refuses a token halfway ends that stream with an error; a free
+    stream and another constrained one in the same batch finish as usual."""
+    from worker.grammar import GrammarEngine
+
+    outbox = Outbox()
+    grammar = GrammarEngine(engine.tokenizer, engine.model.hp.n_vocab)
+    scheduler = Scheduler(engine, SchedulerSettings(ctx=256, batch=3, kv_slots=3, queue=4), outbox, grammar=grammar)
+    scheduler.wake_io = scheduler.admit_compiled
+    spec = {"kind": "regex", "source": "[a-z]{40}"}
+    scheduler.submit(b"gw", Generate("doomed", [5, 17, 300], {"temperature": 0.0}, 60, grammar=spec))
+    scheduler.submit(b"gw", Generate("steady", [5, 17, 301], {"temperature": 0.0}, 60, grammar=spec))
+    scheduler.submit(b"gw", Generate("free", [5, 17, 302], {"temperature": 0.0}, 6, stop_ids=[]))
+    grammar.pool.shutdown(wait=True)
+    scheduler._admit()
+    doomed = next(s for s in scheduler.running if s.request.request_id == "doomed")
+    for step in range(60):
+        if not scheduler.running and not scheduler.waiting:
+            break
+        if step == 2:
+            # the matcher breaks (a digit where [a-z] is required): it is now in its error state
+            assert doomed in scheduler.running
+            assert not doomed.matcher.consume_token(engine.tokenizer.encode("7", add_special=False)[0])
+            assert doomed.matcher.is_error()
+        scheduler._admit()
+        scheduler._step()
+    finished = outbox.finished()
+    assert finished["doomed"].reason == "error" and "grammar matcher failed" in finished["doomed"].error
+    assert 1 <= len(outbox.tokens("doomed")) <= 3
+    assert finished["steady"].reason == "stop"
+    assert len(engine.tokenizer.decode(outbox.tokens("steady"), skip_special=True)) == 40
+    assert finished["free"].reason == "length"
