@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = command(name, args.quick, args.repeats)
         print(f"== bench.{name}: {' '.join(cmd[1:])}", flush=True)
         started = time.perf_counter()
-        code = subprocess.run(cmd, cwd=REPO).returncode
+        code = subprocess.run(cmd, cwd=REPO, check=False).returncode
         seconds = time.perf_counter() - started
         summary.append((name, f"{'ok' if code == 0 else f'FAILED (exit {code})'} in {seconds:.0f} s"))
         print(flush=True)

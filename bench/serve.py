@@ -38,7 +38,13 @@ Peak memory is the largest sum of RSS over the server's process tree, sampled ev
 Every figure is min / median / max over the repeats (each repeat's value is the median over its
 streams); the ratio is lmserve's median over llama.cpp's. Results go to
 ``bench/results/serve.json`` and ``bench/results/serve.png`` (the chart needs matplotlib:
-``pip install -e '.[bench]'``).
+``pip install -e '.[bench]'``). The JSON is rewritten after every server run, so an interrupted
+run keeps what it measured; ``--render JSON`` reprints a results file's table and redraws its chart.
+
+On a shared machine other processes skew everything, the two servers differently. Before each
+server run and each scenario the harness waits (``--quiet``, ``--quiet-wait``) until the rest of
+the machine is nearly idle, and it records the cores other processes used during every scenario
+(``other cores per scenario`` in the JSON's checks).
 """
 
 from __future__ import annotations
@@ -77,9 +83,14 @@ PEER_CMAKE_ARGS = "-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8
 PEER_SERVER_DEPS = ("uvicorn>=0.22", "fastapi>=0.100", "pydantic-settings>=2.0.1", "sse-starlette>=1.6.1",
                     "starlette-context>=0.3.6,<0.4", "PyYAML>=5.1")
 PEER_VENV_CANDIDATES = (Path("/work/peer-venv"), REPO / ".bench-venv")
-# What llama.cpp's server does for one 256-token stream of the default model on 2 cores of a
-# Sapphire Rapids (AMX) machine; a figure far below it means the peer is misbuilt or starved.
-PEER_SINGLE_STREAM_EXPECTED = (108.0, 142.0)
+# llama.cpp's own single-stream decode figures for the default model on 2 cores of a Sapphire
+# Rapids machine: its C++ server with the AMX int8 path working (one 256-token stream), and
+# llama-bench tg128 without AMX, which is what a build with AMX int8 compiled out compares to.
+# A figure far below the second means the peer is misbuilt or starved.
+PEER_REFERENCES: dict[str, tuple[float, float]] = {
+    "llama.cpp's C++ server, AMX int8 path": (108.0, 142.0),
+    "llama-bench tg128 without AMX": (91.0, 97.0),
+}
 
 LOWER, HIGHER = "lower", "higher"
 
@@ -190,7 +201,8 @@ def format_text_table(rows: Sequence[Row], servers: Sequence[str] = SERVERS) -> 
 def format_markdown_table(rows: Sequence[Row], servers: Sequence[str] = SERVERS) -> str:
     """The same table in Markdown (for the README)."""
     cells = table_rows(rows, servers)
-    lines = ["| " + " | ".join(cells[0]) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cells[0]) - 2) + ["---"]) + "|"]
+    rule = "|" + "|".join(["---"] + ["---:"] * (len(cells[0]) - 2) + ["---"]) + "|"
+    lines = ["| " + " | ".join(cells[0]) + " |", rule]
     lines += ["| " + " | ".join(line) + " |" for line in cells[1:]]
     return "\n".join(lines)
 
@@ -353,7 +365,8 @@ async def stream_request(client: Any, base_url: str, path: str, body: dict[str, 
     return result
 
 
-async def run_batch(client: Any, base_url: str, path: str, bodies: Sequence[dict[str, Any]]) -> tuple[list[StreamResult], float]:
+async def run_batch(client: Any, base_url: str, path: str,
+                    bodies: Sequence[dict[str, Any]]) -> tuple[list[StreamResult], float]:
     """Start all requests at once; return their results and the batch's wall time."""
     started = time.perf_counter()
     results = await asyncio.gather(*(stream_request(client, base_url, path, b) for b in bodies))
@@ -459,20 +472,22 @@ def ensure_peer(venv: Path) -> Path:
               f"(CMAKE_ARGS={PEER_CMAKE_ARGS!r}); this takes a long time (15-30 minutes on 2 cores)",
               file=sys.stderr)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    if subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True).returncode != 0:
+    if subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True, check=False).returncode != 0:
         env = {**os.environ, "CMAKE_ARGS": PEER_CMAKE_ARGS, "FORCE_CMAKE": "1"}
         subprocess.run([str(python), "-m", "pip", "install", "-q", f"{PEER_PACKAGE}=={PEER_VERSION}"],
                        check=True, env=env)
-    if subprocess.run([str(python), "-c", "import llama_cpp.server.app"], capture_output=True).returncode != 0:
+    server_missing = subprocess.run([str(python), "-c", "import llama_cpp.server.app"], capture_output=True,
+                                    check=False).returncode != 0
+    if server_missing:
         # The [server] extra's dependencies alone: asking for the extra could rebuild the package.
         subprocess.run([str(python), "-m", "pip", "install", "-q", *PEER_SERVER_DEPS], check=True)
     return python
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def peer_version(python: Path) -> str:
     out = subprocess.run([str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, check=False)
     return out.stdout.strip() or "unknown"
 
 
@@ -614,9 +629,9 @@ def wait_for_quiet(threshold: float, max_wait: float, probe: float = 5.0) -> flo
 def start_server(spec: ServerSpec, log: Path, timeout: float = 600.0) -> subprocess.Popen:
     import httpx
     log.parent.mkdir(parents=True, exist_ok=True)
-    out = open(log, "wb")
-    proc = subprocess.Popen(spec.command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, **spec.env}, start_new_session=True)
+    with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(spec.command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **spec.env}, start_new_session=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -913,7 +928,7 @@ def write_chart(rows: Sequence[Row], path: Path, title: str) -> bool:
         return False
     groups = [g for g in (("tok/s", "tokens/s (higher is better)", False, 3),
                           ("ms", "milliseconds (lower is better, log)", True, 3),
-                          ("MiB", "peak RSS MiB (lower is better)", False, 1))
+                          ("MiB", "peak RSS, MiB (lower is better)", False, 1.6))
               if any(r.unit == g[0] for r in rows)]
     if not groups:
         return False
@@ -954,7 +969,8 @@ def write_chart(rows: Sequence[Row], path: Path, title: str) -> bool:
 # --- main ----------------------------------------------------------------------------------
 
 def _git_revision() -> str:
-    out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True,
+                         check=False)
     return out.stdout.strip() or "unknown"
 
 
@@ -988,6 +1004,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quiet-wait", type=float, default=300, metavar="S",
                    help="longest wait for that (and before each scenario), in seconds (default 300)")
     p.add_argument("--cc-system", type=int, help="claude-code system prompt tokens (default 16000; 3000 quick)")
+    p.add_argument("--render", metavar="JSON", help="only print the table and redraw the chart of a results file")
     p.add_argument("--out", default=str(RESULTS / "serve.json"), help="JSON output (the PNG goes beside it)")
     return p.parse_args(argv)
 
@@ -998,6 +1015,10 @@ def _exit_on_sigterm(signum: int, _frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render:
+        path = Path(args.render)
+        report(json.loads(path.read_text()), path)
+        return 0
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     plan = QUICK if args.quick else FULL
     repeats = args.repeats or (1 if args.quick else 3)
@@ -1062,27 +1083,65 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     document = write_results(out, plan, per_server, notes,
                              run_meta(args, argv, model, repeats, peer_python, commands, loads, started_all))
-    rows = build_rows(plan, per_server, notes)
+    report(document, out)
+    return 0
+
+
+def rows_from_json(document: dict[str, Any]) -> list[Row]:
+    """The table rows back from a results document (the inverse of ``results_json``)."""
+    rows = []
+    for r in document["rows"]:
+        row = Row(r["scenario"], r["metric"], r["unit"], r["better"])
+        for server, cell in r["servers"].items():
+            row.values[server] = list(cell.get("values", []))
+            if "note" in cell:
+                row.note[server] = cell["note"]
+        rows.append(row)
+    return rows
+
+
+def load_summary(meta: dict[str, Any]) -> str | None:
+    """Other processes' CPU use during the measured scenarios, from the results' checks."""
+    readings = [v for runs in (meta.get("checks") or {}).values() for run in runs
+                for v in (run.get("other cores per scenario") or {}).values() if v is not None]
+    if not readings:
+        return None
+    busy = sum(v > 0.25 for v in readings)
+    return (f"load from other processes during the scenarios: {statistics.median(readings):.2f} cores median, "
+            f"{max(readings):.2f} max (of {(meta.get('machine') or {}).get('cores', '?')}); "
+            f"{busy} of {len(readings)} scenario runs had more than 0.25 cores of it")
+
+
+def peer_sanity_line(median: float) -> str:
+    """The peer's single-stream decode next to llama.cpp's own figures for this machine class."""
+    references = "; ".join(f"{name}: {lo:.0f}-{hi:.0f}" for name, (lo, hi) in PEER_REFERENCES.items())
+    floor = min(lo for lo, _ in PEER_REFERENCES.values()) * 0.85
+    verdict = "plausible" if median >= floor else "TOO LOW: misbuilt or starved?"
+    return (f"llama.cpp single-stream decode: {median:.1f} tok/s ({verdict}; on 2 Sapphire Rapids cores, "
+            f"{references} tok/s)")
+
+
+def report(document: dict[str, Any], out: Path) -> None:
+    """Print the table and the sanity lines; draw the chart beside the JSON."""
+    meta = document["meta"]
+    rows = rows_from_json(document)
+    done = meta.get("repeats_done") or {}
     print()
-    print(f"serving benchmark, {Path(model).name}, {args.threads} threads, ctx {args.ctx}, {repeats} repeat(s); "
-          "median (min-max) over repeats")
+    print(f"serving benchmark, {meta.get('model')}, {meta.get('threads')} threads, ctx {meta.get('ctx')}, "
+          f"repeats {done or meta.get('repeats')}; median (min-max) over repeats")
     print(format_text_table(rows, document["servers"]))
-    other = [ld["other_cores"] for s in wanted for ld in loads[s] if "other_cores" in ld]
-    if other:
-        print(f"load from other processes during the runs: {statistics.median(other):.2f} cores median, "
-              f"{max(other):.2f} max (of {os.cpu_count()})")
-    peer_single = document["meta"].get("peer_single_stream_decode")
+    summary = load_summary(meta)
+    if summary:
+        print(summary)
+    peer_single = meta.get("peer_single_stream_decode")
     if peer_single is not None:
-        lo, hi = PEER_SINGLE_STREAM_EXPECTED
-        verdict = "within" if lo * 0.85 <= peer_single["median"] <= hi * 1.15 else "OUTSIDE"
-        print(f"llama.cpp single-stream decode: {peer_single['median']:.1f} tok/s ({verdict} the {lo:.0f}-{hi:.0f} "
-              "tok/s expected of llama.cpp's server on 2 Sapphire Rapids cores)")
+        print(peer_sanity_line(peer_single["median"]))
     png = out.with_suffix(".png")
-    if write_chart(rows, png, f"lmserve vs llama.cpp ({PEER_PACKAGE}), {Path(model).name}, {args.threads} threads"):
+    title = f"lmserve vs llama.cpp ({PEER_PACKAGE}), {meta.get('model')}, {meta.get('threads')} threads"
+    if write_chart(rows, png, title):
         print(f"wrote {out} and {png}")
     else:
         print(f"wrote {out}")
-    return 0
 
 
 def run_meta(args: argparse.Namespace, argv: list[str] | None, model: str, repeats: int, peer_python: Path | None,
@@ -1111,7 +1170,7 @@ def write_results(out: Path, plan: Plan, per_server: dict[str, list[RepeatFigure
     peer_single = single.spread(PEER) if single else None
     if peer_single is not None:
         meta["peer_single_stream_decode"] = {"median": peer_single.median,
-                                             "expected_range": list(PEER_SINGLE_STREAM_EXPECTED)}
+                                             "references": {k: list(v) for k, v in PEER_REFERENCES.items()}}
     servers = [s for s in SERVERS if s in per_server]
     document = results_json(rows, meta, servers)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,9 +15,9 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import serve  # noqa: E402
-from bench.__main__ import command  # noqa: E402
-from bench.serve import (  # noqa: E402
+from bench import serve
+from bench.__main__ import command
+from bench.serve import (
     FULL,
     LMSERVE,
     PEER,
@@ -92,6 +92,20 @@ def test_results_json_shape() -> None:
     assert doc["markdown"].startswith("| figure |")
 
 
+def test_rows_come_back_from_the_json() -> None:
+    doc = json.loads(json.dumps(serve.results_json(_rows(), {})))
+    back = serve.rows_from_json(doc)
+    assert [(r.label, r.values, r.note) for r in back] == [(r.label, r.values, r.note) for r in _rows()]
+
+
+def test_load_summary() -> None:
+    meta = {"machine": {"cores": 2}, "checks": {LMSERVE: [{"other cores per scenario": {"a": 0.0, "b": 1.5}}],
+                                                PEER: [{"other cores per scenario": {"a": 0.1}}]}}
+    assert serve.load_summary(meta) == ("load from other processes during the scenarios: 0.10 cores median, "
+                                        "1.50 max (of 2); 1 of 3 scenario runs had more than 0.25 cores of it")
+    assert serve.load_summary({}) is None
+
+
 def test_sse_parser() -> None:
     parser = SseParser()
     lines = [": ping", "event: message_start", 'data: {"a": 1}', "", "", "data: [DONE]", ""]
@@ -161,3 +175,8 @@ def test_entry_point_commands() -> None:
     assert command("serve", quick=True, repeats=None)[1:] == ["-m", "bench.serve", "--quick"]
     assert command("worker", quick=True, repeats=3)[1:] == ["-m", "bench.worker", "--tokens", "16", "--repeats", "3"]
     assert command("grammar", quick=True, repeats=2)[1:] == ["-m", "bench.grammar"]
+
+
+def test_peer_sanity_line() -> None:
+    assert "plausible" in serve.peer_sanity_line(90.0)
+    assert "TOO LOW" in serve.peer_sanity_line(20.0)
