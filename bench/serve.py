@@ -91,6 +91,35 @@ PEER_REFERENCES: dict[str, tuple[float, float]] = {
     "llama.cpp's C++ server, AMX int8 path": (108.0, 142.0),
     "llama-bench tg128 without AMX": (91.0, 97.0),
 }
+# llama-bench's pp512 / tg128 on 2 cores (tok/s), by the matmul path the CPU and build give
+# (../shared/reference/peer-servers.md section 7; the AMX figures are single readings).
+KERNEL_REFERENCES: dict[str, dict[str, tuple[float, float]]] = {
+    "AMX int8": {"pp512": (1150.0, 1150.0), "tg128": (220.0, 220.0)},
+    "without AMX": {"pp512": (200.0, 250.0), "tg128": (91.0, 97.0)},
+}
+KERNEL_TOLERANCE = 0.15  # "within noise": a shared 2-core machine moves these by about this much
+# Runs in the peer's venv: llama.cpp's prompt and generation speed measured as llama-bench does
+# (random tokens, no sampling, a fresh context per prompt repeat), without any server around it.
+KERNEL_PROBE = """
+import json, random, statistics, sys, time
+from llama_cpp import Llama
+model, threads = sys.argv[1], int(sys.argv[2])
+llm = Llama(model, n_ctx=1024, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+rng = random.Random(0)
+tokens = [rng.randrange(llm.n_vocab()) for _ in range(512)]
+pp = []
+for _ in range(3):
+    llm.reset()
+    start = time.perf_counter(); llm.eval(tokens); pp.append(512 / (time.perf_counter() - start))
+tg = []
+for _ in range(3):
+    llm.reset(); llm.eval(tokens[:1])
+    start = time.perf_counter()
+    for token in tokens[1:129]:
+        llm.eval([token])
+    tg.append(128 / (time.perf_counter() - start))
+print(json.dumps({"pp512": statistics.median(pp), "tg128": statistics.median(tg)}))
+"""
 
 LOWER, HIGHER = "lower", "higher"
 
@@ -1035,8 +1064,13 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, cc_system=args.cc_system)
     work = Workload(model, plan, nonce=int(time.time()) % 100_000)
     peer_python: Path | None = None
+    kernels: dict[str, Any] | None = None
     if PEER in wanted and PEER not in external:
         peer_python = ensure_peer(find_peer_venv(args.peer_venv))
+        if args.quiet >= 0:
+            wait_for_quiet(args.quiet, args.quiet_wait)
+        kernels = peer_kernels(peer_python, model, args.threads)
+        print(f"bench.serve: {peer_kernel_line(kernels)}", flush=True)
     per_server: dict[str, list[RepeatFigures]] = {s: [] for s in wanted}
     loads: dict[str, list[dict[str, float]]] = {s: [] for s in wanted}
     commands: dict[str, list[str]] = {}
@@ -1079,10 +1113,11 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
             print(f"bench.serve:   checks {json.dumps(figs.checks)}", flush=True)
             write_results(Path(args.out), plan, per_server, notes, run_meta(args, argv, model, repeats, peer_python,
-                                                                           commands, loads, started_all))
+                                                                           commands, loads, started_all, kernels))
     out = Path(args.out)
     document = write_results(out, plan, per_server, notes,
-                             run_meta(args, argv, model, repeats, peer_python, commands, loads, started_all))
+                             run_meta(args, argv, model, repeats, peer_python, commands, loads, started_all,
+                                      kernels))
     report(document, out)
     return 0
 
@@ -1112,6 +1147,42 @@ def load_summary(meta: dict[str, Any]) -> str | None:
             f"{busy} of {len(readings)} scenario runs had more than 0.25 cores of it")
 
 
+def cpu_has_amx_int8() -> bool:
+    try:
+        return any(line.startswith("flags") and " amx_int8" in line
+                   for line in Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return False
+
+
+def kernel_path(has_amx: bool, cmake_args: str) -> str:
+    """Which KERNEL_REFERENCES row applies: AMX only on a CPU that has it, in a build that keeps it."""
+    return "AMX int8" if has_amx and "-mno-amx-int8" not in cmake_args else "without AMX"
+
+
+def peer_kernels(python: Path, model: str, threads: int) -> dict[str, Any]:
+    """The peer build's pp512 / tg128 (tok/s) on this machine, and the reference they are held to."""
+    out = subprocess.run([str(python), "-c", KERNEL_PROBE, model, str(threads)], capture_output=True,
+                         text=True, check=True, timeout=600)
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    path = kernel_path(cpu_has_amx_int8(), PEER_CMAKE_ARGS)
+    return {**figures, "path": path, "references": {k: list(v) for k, v in KERNEL_REFERENCES[path].items()}}
+
+
+def peer_kernel_line(kernels: dict[str, Any]) -> str:
+    """The peer's kernel speed next to llama.cpp's own figures for the same path, with a verdict."""
+    parts, off = [], []
+    for name in ("pp512", "tg128"):
+        lo, hi = kernels["references"][name]
+        value = kernels[name]
+        parts.append(f"{name} {value:.0f} (reference {lo:.0f}-{hi:.0f})")
+        if not lo * (1 - KERNEL_TOLERANCE) <= value <= hi * (1 + KERNEL_TOLERANCE):
+            off.append(name)
+    verdict = (f"within {KERNEL_TOLERANCE:.0%} of the reference" if not off
+               else f"OUTSIDE {KERNEL_TOLERANCE:.0%} of the reference for {', '.join(off)}: do not trust the comparison")
+    return f"llama.cpp kernels, {kernels['path']} path, 2 cores: {'; '.join(parts)} tok/s: {verdict}"
+
+
 def peer_sanity_line(median: float) -> str:
     """The peer's single-stream decode next to llama.cpp's own figures for this machine class."""
     references = "; ".join(f"{name}: {lo:.0f}-{hi:.0f}" for name, (lo, hi) in PEER_REFERENCES.items())
@@ -1133,6 +1204,8 @@ def report(document: dict[str, Any], out: Path) -> None:
     summary = load_summary(meta)
     if summary:
         print(summary)
+    if meta.get("peer_kernels"):
+        print(peer_kernel_line(meta["peer_kernels"]))
     peer_single = meta.get("peer_single_stream_decode")
     if peer_single is not None:
         print(peer_sanity_line(peer_single["median"]))
@@ -1146,7 +1219,7 @@ def report(document: dict[str, Any], out: Path) -> None:
 
 def run_meta(args: argparse.Namespace, argv: list[str] | None, model: str, repeats: int, peer_python: Path | None,
              commands: dict[str, list[str]], loads: dict[str, list[dict[str, float]]],
-             started_all: float) -> dict[str, Any]:
+             started_all: float, kernels: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "command": "python -m bench.serve " + " ".join(argv if argv is not None else sys.argv[1:]),
         "when": time.strftime("%Y-%m-%d %H:%M:%S %z"), "duration_s": round(time.perf_counter() - started_all),
@@ -1155,6 +1228,7 @@ def run_meta(args: argparse.Namespace, argv: list[str] | None, model: str, repea
         "threads": args.threads, "parallel": args.parallel, "lmserve_revision": _git_revision(),
         "peer": {"package": PEER_PACKAGE, "version": peer_version(peer_python) if peer_python else None,
                  "parallel_slots": 1, "flash_attention": False},
+        "peer_kernels": kernels,
         "server_commands": commands,
         "load": loads,
     }

@@ -30,6 +30,8 @@ class NeutralRequest:
     # The reply's constraint, as the worker takes it ({"kind": json_schema | json_object | regex |
     # lark, "source": text}); forced tool calls bring their own (gateway/tool_calls.py).
     grammar: dict[str, str] | None = None
+    # Freeform (custom) tools whose one string input is held to a regex when the model calls them.
+    tool_input_patterns: dict[str, str] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # dialect-specific echo values
 
     @property

@@ -97,7 +97,10 @@ def plan(view: ModelView, request: NeutralRequest) -> ToolPlan:
     Without a tool convention the model calls nothing of its own accord: its declarations are
     dropped, so a client that always sends tools still gets plain chat. A call the client insists
     on is made anyway: the model is told the generic JSON call format and held to it by a grammar.
-    With a convention, a forced call is held to the Hermes blocks by a Lark grammar.
+    With a convention, a forced call is held to the Hermes blocks by a Lark grammar. Under
+    ``tool_choice`` auto the model writes text or calls as it likes, but when a tool's arguments
+    are a contract (a freeform tool's grammar, ``strict: true``) a grammar lets the text run free
+    and holds every call to its schema; a requested reply format takes precedence over that.
     With ``tool_choice`` none the tools are not shown, so the model has no call to make.
     """
     choice = request.tool_choice
@@ -117,10 +120,14 @@ def plan(view: ModelView, request: NeutralRequest) -> ToolPlan:
     if not request.tools or request.tool_choice == "none":
         return ToolPlan([], False, None)
     limit = None if request.parallel_tool_calls else 1
-    if forced is None:
-        return ToolPlan(request.tools, True, limit)
-    return ToolPlan(request.tools, True, limit,
-                    grammar={"kind": "lark", "source": hermes_lark(request, forced, limit is None)})
+    if forced is not None:
+        return ToolPlan(request.tools, True, limit,
+                        grammar={"kind": "lark", "source": hermes_lark(request, forced, limit is None)})
+    if request.grammar is None and any(_binding_in_auto(request, tool["function"]) for tool in request.tools):
+        return ToolPlan(request.tools, True, limit,
+                        grammar={"kind": "lark", "source": hermes_lark(request, request.tools, limit is None,
+                                                                      optional=True)})
+    return ToolPlan(request.tools, True, limit)
 
 
 def forces_call(tool_choice: Any) -> bool:
@@ -165,11 +172,21 @@ def forced_tools(request: NeutralRequest) -> list[dict[str, Any]] | None:
 
 
 def _arguments_schema(request: NeutralRequest, function: dict[str, Any]) -> dict[str, Any]:
-    """The arguments' contract: the tool's schema where the client made it one (Anthropic's
-    input_schema always, OpenAI's parameters with strict: true), else any object."""
+    """The arguments' contract: a freeform tool's one input held to its grammar's regex, the
+    tool's schema where the client made it one (Anthropic's input_schema always, OpenAI's
+    parameters with strict: true), else any object."""
+    pattern = request.tool_input_patterns.get(function["name"])
+    if pattern is not None:
+        return {"type": "object", "properties": {CUSTOM_INPUT: {"type": "string", "pattern": f"^(?:{pattern})$"}},
+                "required": [CUSTOM_INPUT], "additionalProperties": False}
     parameters = function.get("parameters")
     binding = request.dialect == ANTHROPIC or function.get("strict") is True
     return parameters if binding and isinstance(parameters, dict) else {"type": "object"}
+
+
+def _binding_in_auto(request: NeutralRequest, function: dict[str, Any]) -> bool:
+    """Whether a call the model may choose to make must still keep to a contract."""
+    return function["name"] in request.tool_input_patterns or function.get("strict") is True
 
 
 def _call_schema(request: NeutralRequest, tool: dict[str, Any], whitespace: bool = True) -> dict[str, Any]:
@@ -183,20 +200,26 @@ def _call_schema(request: NeutralRequest, tool: dict[str, Any], whitespace: bool
     return schema
 
 
-def hermes_lark(request: NeutralRequest, tools: list[dict[str, Any]], parallel: bool) -> str:
-    """A Lark grammar for one or more Hermes call blocks of these tools.
+def hermes_lark(request: NeutralRequest, tools: list[dict[str, Any]], parallel: bool,
+                optional: bool = False) -> str:
+    """A Lark grammar for one or more Hermes call blocks of these tools (``optional``: text, which
+    the calls may follow, and no call at all is fine too).
 
     The tags are special tokens of the model's vocabulary, so the grammar names them as tokens
-    (a string literal would never match them). After a reasoning block the model's own layout,
-    up to two line breaks, may come before the first call.
+    (a string literal would never match them), and free text, which cannot hold a special token,
+    ends where a call opens. After a reasoning block the model's own layout, up to two line
+    breaks, may come before the first call.
     """
     alternatives = " | ".join(f"fn_{i}" for i in range(len(tools)))
     functions = "\n".join(f"fn_{i}: %json {json.dumps(_call_schema(request, tool))}" for i, tool in enumerate(tools))
+    call = f'tc: {TOOL_CALL_OPEN} "\\n" ({alternatives}) "\\n" {TOOL_CALL_CLOSE}\n'
+    if optional:
+        # after the last call only layout: the reply ends there (Hermes models stop after calls)
+        start = 'start: TEXT (tc ("\\n" tc)* "\\n"?)?\n' if parallel else 'start: TEXT (tc "\\n"?)?\n'
+        return f"{start}TEXT: /(.|\\n)*/\n{call}{functions}\n"
     lead = '"\\n"? "\\n"? ' if request.grammar_after_reasoning else ""
     more = ' ("\\n" tc)*' if parallel else ""
-    return (f"start: {lead}tc{more}\n"
-            f'tc: {TOOL_CALL_OPEN} "\\n" ({alternatives}) "\\n" {TOOL_CALL_CLOSE}\n'
-            f"{functions}\n")
+    return f"start: {lead}tc{more}\n{call}{functions}\n"
 
 
 def _json_call_instruction(request: NeutralRequest, tools: list[dict[str, Any]]) -> str:

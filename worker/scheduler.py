@@ -339,16 +339,10 @@ class Scheduler:
             log.exception("sampling failed for %s", request.request_id)
             self._finish(stream, FinishReason.ERROR, f"sampling failed: {exc}")
             return
-        stream.completion += 1
-        wants_logprobs = stream.params.logprobs or stream.params.top_logprobs
-        self.send(stream.gateway, Tokens(
-            request.request_id, [token.token_id],
-            [token.logprob] if wants_logprobs else None,
-            [[[i, lp] for i, lp in token.top_logprobs]] if stream.params.top_logprobs else None,
-            stream.cached if stream.completion == 1 else None))
         grammar_done = False
         if stream.matcher is not None and token.token_id not in stream.stop_ids:
             if stream.grammar_active:
+                # A token the grammar refuses is never shown: the stream ends before it.
                 if not stream.matcher.consume_token(token.token_id):
                     self._finish(stream, FinishReason.ERROR,
                                  f"the grammar matcher failed: {stream.matcher.get_error() or 'token refused'}")
@@ -356,6 +350,13 @@ class Scheduler:
                 grammar_done = stream.matcher.is_stopped()  # nothing but end-of-turn may follow
             elif token.token_id == self.grammar.think_close:
                 stream.grammar_active = True  # the reasoning block ended: the grammar starts now
+        stream.completion += 1
+        wants_logprobs = stream.params.logprobs or stream.params.top_logprobs
+        self.send(stream.gateway, Tokens(
+            request.request_id, [token.token_id],
+            [token.logprob] if wants_logprobs else None,
+            [[[i, lp] for i, lp in token.top_logprobs]] if stream.params.top_logprobs else None,
+            stream.cached if stream.completion == 1 else None))
         if token.token_id in stream.stop_ids or grammar_done:
             self._finish(stream, FinishReason.STOP)
         elif stream.completion >= request.max_tokens:

@@ -9,7 +9,9 @@ end-of-turn token.
 The file is a JSON list of replies. A reply is a list of token ids, or an object with either
 ``"ids": [...]`` or ``"text": "..."`` (tokenized with the model's tokenizer when the worker
 starts, special-token text such as ``<tool_call>`` becoming its id), and optionally
-``"when": "MARKER"``. Which reply a request gets:
+``"when": "MARKER"``, and ``"then": "sample"``: when the scripted tokens are said, the model
+goes on by itself, sampled as usual (under the request's grammar, if it has one), instead of
+ending its turn. Which reply a request gets:
 
 - the keyed reply whose marker occurs latest in the decoded prompt (a marker in the newest
   message wins over one in the history, so a conversation can move from reply to reply);
@@ -40,6 +42,7 @@ from worker.engine.sampling import SampledToken, Sampler
 class ScriptedReply:
     ids: tuple[int, ...]
     when: str | None = None  # a marker the prompt must contain; None: taken in turn
+    then_sample: bool = False  # after the ids the model goes on by itself, instead of ending
 
 
 class ScriptedReplies:
@@ -69,20 +72,20 @@ class ScriptedReplies:
                 raise LmserveError(f"a scripted reply has a token id outside 0..{tokenizer.vocab_size - 1}")
         return cls(replies, end_of_turn_id(tokenizer), tokenizer)
 
-    def take(self, prompt: list[int]) -> tuple[int, ...]:
+    def take(self, prompt: list[int]) -> ScriptedReply:
         """The reply for a request with this prompt (see the module docstring for the rule)."""
         keyed = [reply for reply in self.replies if reply.when is not None]
         if keyed:
             text = self.tokenizer.decode(prompt)
             found = [(text.rfind(reply.when), reply) for reply in keyed if reply.when in text]
             if found:
-                return max(found, key=lambda hit: hit[0])[1].ids
+                return max(found, key=lambda hit: hit[0])[1]
         with self._lock:
             if not self._unkeyed:
-                return ()  # only keyed replies, none matched: end the turn at once
+                return ScriptedReply(())  # only keyed replies, none matched: end the turn at once
             reply = self._unkeyed[self._next % len(self._unkeyed)]
             self._next += 1
-        return reply.ids
+        return reply
 
     def sampler(self, params: SamplingParams, prompt: list[int]) -> ScriptedSampler:
         return ScriptedSampler(params, prompt, self)
@@ -96,10 +99,14 @@ class ScriptedSampler(Sampler):
         self.script = script
         self.prompt = list(prompt)
         self.queue: deque[int] | None = None  # chosen at the first step, in the order streams start
+        self.then_sample = False
 
     def sample(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> SampledToken:
         if self.queue is None:
-            self.queue = deque(self.script.take(self.prompt))
+            reply = self.script.take(self.prompt)
+            self.queue, self.then_sample = deque(reply.ids), reply.then_sample
+        if not self.queue and self.then_sample:
+            return super().sample(logits, allowed)
         token = self.queue.popleft() if self.queue else self.script.end_id
         logprob, top = self._logprobs(self.adjusted_logits(logits, allowed), token)
         self.accept(token)
@@ -125,11 +132,14 @@ def _reply(entry: Any, i: int, tokenizer: Tokenizer) -> ScriptedReply:
     when = entry.get("when")
     if when is not None and (not isinstance(when, str) or not when):
         raise LmserveError(f"{where}: 'when' must be a non-empty string")
+    then = entry.get("then", "end")
+    if then not in ("end", "sample"):
+        raise LmserveError(f"{where}: 'then' must be \"end\" or \"sample\", got {then!r}")
     if "ids" in entry:
-        return ScriptedReply(_ids(entry["ids"], where), when)
+        return ScriptedReply(_ids(entry["ids"], where), when, then == "sample")
     if not isinstance(entry["text"], str):
         raise LmserveError(f"{where}: 'text' must be a string")
-    return ScriptedReply(tuple(tokenizer.encode(entry["text"], add_special=False)), when)
+    return ScriptedReply(tuple(tokenizer.encode(entry["text"], add_special=False)), when, then == "sample")
 
 
 def _ids(value: Any, where: str) -> tuple[int, ...]:

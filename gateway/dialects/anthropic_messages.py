@@ -353,6 +353,8 @@ def _tool(tool: Any, i: int) -> dict[str, Any] | None:
     if description:
         function["description"] = description
     function["parameters"] = field(tool, "input_schema", dict, where, required=True)
+    if field(tool, "strict", bool, where):
+        function["strict"] = True  # calls the model chooses to make keep to the schema too
     return {"type": "function", "function": function}
 
 

@@ -15,7 +15,8 @@ Decisions a client may notice:
   the same list (the member's own name, qualified as ``namespace.member`` only on a clash), and a
   call of one is answered as ``{name: member, namespace}``. ``custom`` (freeform) tools are shown
   to the model as a function of one string, ``input``; a call of one comes back as a
-  ``custom_tool_call`` item with that input. Hosted tools (web_search, file_search, mcp, ...)
+  ``custom_tool_call`` item with that input; a tool with a grammar holds that input to it
+  (gateway/tool_calls.py). Hosted tools (web_search, file_search, mcp, ...)
   cannot run here and are skipped without failing.
 - ``text.format`` json_object / json_schema (strict or not) hold the reply to JSON / the schema;
   a forced ``custom`` tool (tool_choice ``{type: custom, name}``) holds the whole reply to the
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
 
-from gateway import sse
+from gateway import lark_regex, sse
 from gateway.dialects.common import (
     EFFORT_OFF,
     GRAMMAR_FIELD,
@@ -145,7 +146,7 @@ class _ToolSet:
 
     def forced_custom_grammar(self, tool_choice: Any) -> dict[str, str] | None:
         """The grammar of the freeform tool a tool_choice forces ({type: custom, name}), if that
-        tool has one (format {type: grammar, syntax: lark | regex, definition})."""
+        tool has one."""
         if not isinstance(tool_choice, dict) or tool_choice.get("type") != "custom":
             return None
         name = field(tool_choice, "name", str, "tool_choice", required=True)
@@ -153,19 +154,37 @@ class _ToolSet:
         if tool is None:
             raise InvalidRequestError(f"tool_choice names the custom tool {name!r}, which is not among "
                                       f"the request's tools", param="tool_choice.name")
-        tool_format = field(tool, "format", dict, "tools[].custom", default={"type": "text"})
-        if field(tool_format, "type", str, "tools[].custom.format", default="text") != "grammar":
-            return None
-        syntax = field(tool_format, "syntax", str, "tools[].custom.format", required=True)
-        if syntax not in GRAMMAR_SYNTAXES:
-            raise InvalidRequestError(f"the custom tool {name!r} has a grammar of syntax {syntax!r}; "
-                                      f"this server takes {', '.join(GRAMMAR_SYNTAXES)}", param="tools")
-        return {"kind": syntax, "source": field(tool_format, "definition", str, "tools[].custom.format",
-                                                 required=True)}
+        return _custom_grammar(tool)
+
+    def input_patterns(self) -> dict[str, str]:
+        """Flattened name -> the regex a freeform tool's input is held to inside a call the model
+        chooses to make: a regex grammar as it is, a Lark grammar rewritten as a regex where it is
+        regular (gateway/lark_regex.py); a tool whose grammar cannot be rewritten is left free."""
+        patterns = {}
+        for tool in self.custom:
+            grammar = _custom_grammar(tool)
+            pattern = None if grammar is None else (
+                grammar["source"] if grammar["kind"] == "regex" else lark_regex.to_regex(grammar["source"]))
+            if pattern is not None:
+                patterns[self.flat_name(tool["name"], tool.get("namespace"))] = pattern
+        return patterns
 
     def custom_names(self) -> list[str]:
         """Flattened names of the freeform tools, whose calls come back as custom_tool_call items."""
         return [self.flat_name(tool["name"], tool.get("namespace")) for tool in self.custom]
+
+
+def _custom_grammar(tool: dict[str, Any]) -> dict[str, str] | None:
+    """A freeform tool's grammar (format {type: grammar, syntax: lark | regex, definition}) as
+    the worker takes it, or None for free text."""
+    tool_format = field(tool, "format", dict, "tools[].custom", default={"type": "text"})
+    if field(tool_format, "type", str, "tools[].custom.format", default="text") != "grammar":
+        return None
+    syntax = field(tool_format, "syntax", str, "tools[].custom.format", required=True)
+    if syntax not in GRAMMAR_SYNTAXES:
+        raise InvalidRequestError(f"the custom tool {tool['name']!r} has a grammar of syntax {syntax!r}; "
+                                  f"this server takes {', '.join(GRAMMAR_SYNTAXES)}", param="tools")
+    return {"kind": syntax, "source": field(tool_format, "definition", str, "tools[].custom.format", required=True)}
 
 
 def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest:
@@ -256,6 +275,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         stream=bool(field(body, "stream", bool, default=False)),
         cache_hint=cache_key,
         grammar=grammar,
+        tool_input_patterns=tools.input_patterns(),
         extra={"echo": echo, "custom_tools": tools.custom, "namespaced_tools": tools.namespaced(),
                "custom_tool_names": tools.custom_names()},
     )

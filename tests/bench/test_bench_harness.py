@@ -180,3 +180,15 @@ def test_entry_point_commands() -> None:
 def test_peer_sanity_line() -> None:
     assert "plausible" in serve.peer_sanity_line(90.0)
     assert "TOO LOW" in serve.peer_sanity_line(20.0)
+
+
+def test_the_peer_kernels_are_held_to_the_reference_of_their_path() -> None:
+    # AMX only counts where the CPU has it and the build keeps it
+    assert serve.kernel_path(True, "") == "AMX int8"
+    assert serve.kernel_path(True, "-DCMAKE_C_FLAGS=-mno-amx-int8") == "without AMX"
+    assert serve.kernel_path(False, "") == "without AMX"
+    refs = {k: list(v) for k, v in serve.KERNEL_REFERENCES["without AMX"].items()}
+    good = serve.peer_kernel_line({"pp512": 257.0, "tg128": 106.0, "path": "without AMX", "references": refs})
+    assert "within 15%" in good and "pp512 257 (reference 200-250)" in good
+    slow = serve.peer_kernel_line({"pp512": 120.0, "tg128": 95.0, "path": "without AMX", "references": refs})
+    assert "OUTSIDE" in slow and "for pp512" in slow and "tg128" not in slow.split("for ")[1]

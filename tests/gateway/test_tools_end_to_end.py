@@ -10,12 +10,14 @@ the result reached the prompt.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 from typing import Any
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pydantic
 import pytest
@@ -50,6 +52,15 @@ SCRIPT = {
     "[[think-answer]]": "<think>\nThe user greets me.\n</think>\n\nHello there.",
     "[[codex]]": READ_CALL + "\n" + PATCH_CALL,
 }
+# marker -> the start of a reply the model then goes on with by itself ("then": "sample"), held
+# to the request's grammar once the script is said
+SAMPLED = {
+    "[[auto-paint]]": '<tool_call>\n{"name": "paint", "arguments": {"input": "',
+    "[[auto-strict]]": '<tool_call>\n{"name": "get_weather", "arguments": ',
+    "[[think-json]]": "<think>\nI will answer in JSON.\n</think>",
+}
+BROKEN_JSON = '{"answer": "yes", oops}'  # scripted under a JSON grammar: the matcher refuses "oops"
+SCRIPT["[[broken-json]]"] = BROKEN_JSON
 RESULT = "22C and sunny [[weather-result]]"
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
@@ -71,6 +82,7 @@ def script_file_entries(tokenizer: Tokenizer) -> list[Any]:
             entries.append({"when": marker, "ids": ids})
         else:
             entries.append({"when": marker, "text": text})
+    entries += [{"when": marker, "text": text, "then": "sample"} for marker, text in SAMPLED.items()]
     entries.append({"text": "There is no script for this."})
     return entries
 
@@ -82,7 +94,7 @@ def qwen_stack(tmp_path_factory, start_worker, start_gateway, qwen_tokenizer):
     write_tiny_gguf(model, "qwen3", context_length=4096)
     script = folder / "replies.json"
     script.write_text(json.dumps(script_file_entries(qwen_tokenizer)), encoding="utf-8")
-    worker = start_worker(model, "--scripted-replies", str(script), "--batch", "1", "--ctx", "4096")
+    worker = start_worker(model, "--scripted-replies", str(script), "--batch", "2", "--ctx", "4096")
     return start_gateway(worker, "--ping-interval", "0.5"), worker
 
 
@@ -129,7 +141,7 @@ def chat(oai: openai.OpenAI, stream: bool, messages: list[dict[str, Any]], **ext
     if stream:
         extra["stream_options"] = {"include_usage": True}
     return final_answer(stream, oai.chat.completions.create, oai.chat.completions.stream, "get_final_completion",
-                        model="qwen", messages=messages, tools=CHAT_TOOLS, max_tokens=120, **extra)
+                        model="qwen", messages=messages, **{"tools": CHAT_TOOLS, "max_tokens": 120, **extra})
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -425,3 +437,138 @@ def test_tools_are_dropped_on_a_model_without_a_tool_convention(stack):
     assert "Paris" in answer.output_text
     counted = claude.messages.count_tokens(model="m", messages=[user(question)], tools=ANTHROPIC_TOOLS)
     assert counted.input_tokens == claude.messages.count_tokens(model="m", messages=[user(question)]).input_tokens
+
+
+# --- constraints on calls the model chooses, after reasoning, and a matcher failing mid-stream ---
+
+PAINT_LARK = ('start: "*** Begin Patch\\n" line{1,3} "*** End Patch"\n'
+              'line: ("+" | "-") WORD LF\n'
+              'WORD: /[a-z]{1,6}/\n'
+              '%import common.LF\n')
+PAINT_TOOL = {"type": "custom", "name": "paint", "description": "Paint a wall by patch",
+              "format": {"type": "grammar", "syntax": "lark", "definition": PAINT_LARK}}
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]}},
+               "required": ["city"], "additionalProperties": False}
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+                 "required": ["answer"], "additionalProperties": False}
+
+
+def in_lark(grammar: str, text: str) -> bool:
+    """Whether text is a sentence of the Lark grammar, checked byte by byte by llguidance."""
+    import llguidance as llg
+    matcher = llg.LLMatcher(llg.LLTokenizer("byte"), llg.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_custom_tool_called_under_auto_keeps_to_its_grammar(oai, stream):
+    """The script opens the call and its input string; the model writes the input itself, held to
+    the tool's Lark grammar (rewritten as the JSON string's pattern), and the call closes."""
+    reply = respond(oai, stream, "Paint it. [[auto-paint]]", tools=[*RESPONSES_TOOLS, PAINT_TOOL],
+                    tool_choice="auto", max_output_tokens=200, temperature=1.0)
+    assert reply.status == "completed", reply
+    (call,) = [item for item in reply.output if item.type == "custom_tool_call"]
+    assert call.name == "paint" and call.input.startswith("*** Begin Patch\n")
+    assert in_lark(PAINT_LARK, call.input), call.input
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_strict_function_called_under_auto_keeps_to_its_schema(oai, claude, stream):
+    strict_chat = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY_SCHEMA,
+                                                     "strict": True}}]
+    reply = chat(oai, stream, [user("Weather? [[auto-strict]]")], tools=strict_chat, temperature=1.0)
+    (call,) = reply.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), CITY_SCHEMA)
+    strict_responses = [{"type": "function", "name": "get_weather", "parameters": CITY_SCHEMA, "strict": True}]
+    response = respond(oai, stream, "Weather? [[auto-strict]]", tools=strict_responses, temperature=1.0)
+    (item,) = response.output
+    jsonschema.validate(json.loads(item.arguments), CITY_SCHEMA)
+    strict_anthropic = [{"name": "get_weather", "input_schema": CITY_SCHEMA, "strict": True}]
+    answer = message(claude, stream, [user("Weather? [[auto-strict]]")], tools=strict_anthropic)
+    (block,) = answer.content
+    assert block.type == "tool_use" and answer.stop_reason == "tool_use"
+    jsonschema.validate(block.input, CITY_SCHEMA)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_format_holds_only_after_the_reasoning_block(oai, claude, stream):
+    """The scripted reasoning is prose a JSON grammar would refuse; the grammar starts at
+    </think>, and what the model then writes validates."""
+    thought = "I will answer in JSON."
+    reply = chat(oai, stream, [user("Sure? [[think-json]]")], reasoning_effort="high", temperature=1.0,
+                 response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}})
+    assert reply.choices[0].message.reasoning_content == thought
+    jsonschema.validate(json.loads(reply.choices[0].message.content), ANSWER_SCHEMA)
+    response = respond(oai, stream, "Sure? [[think-json]]", reasoning={"effort": "high"}, temperature=1.0,
+                       text={"format": {"type": "json_schema", "name": "a", "schema": ANSWER_SCHEMA}})
+    assert response.output[0].content[0].text == thought
+    jsonschema.validate(json.loads(response.output_text), ANSWER_SCHEMA)
+    answer = message(claude, stream, [user("Sure? [[think-json]]")], thinking=THINKING,
+                     output_config={"format": {"type": "json_schema", "schema": ANSWER_SCHEMA}})
+    assert [block.type for block in answer.content] == ["thinking", "text"]
+    assert answer.content[0].thinking == thought
+    jsonschema.validate(json.loads(answer.content[1].text), ANSWER_SCHEMA)
+
+
+def test_a_matcher_failing_mid_stream_ends_that_stream_in_each_dialect(qwen_stack, oai):
+    """The script writes what the JSON grammar refuses (a sampled token never can): the stream
+    ends with an error in its dialect's shape after the text that was valid, and a stream running
+    beside it finishes normally."""
+    url = qwen_stack[0].url
+    fmt = {"type": "json_object"}
+    bodies = {
+        "/v1/chat/completions": {"model": "q", "messages": [user("[[broken-json]]")], "max_tokens": 60,
+                                 "response_format": fmt},
+        "/v1/responses": {"model": "q", "input": "[[broken-json]]", "max_output_tokens": 60,
+                          "text": {"format": fmt}},
+        "/v1/messages": {"model": "q", "messages": [user("[[broken-json]]")], "max_tokens": 60,
+                         "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+    }
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        for path, body in bodies.items():
+            beside = pool.submit(oai.chat.completions.create, model="q", max_tokens=60,
+                                 messages=[user("Report [[weather-result]]")])
+            records = sse_data(url, path, body)
+            assert beside.result().choices[0].message.content == ANSWER
+            text, last = _streamed_text(path, records), records[-1]
+            assert text == '{"answer": "yes",', (path, text)
+            if path == "/v1/chat/completions":
+                assert "grammar" in last["error"]["message"], last
+            elif path == "/v1/responses":
+                assert last["type"] == "response.failed" and "grammar" in last["response"]["error"]["message"]
+            else:
+                assert last["type"] == "error" and "grammar" in last["error"]["message"], last
+    # not streamed: the error is the whole answer, in the dialect's envelope
+    with pytest.raises(openai.InternalServerError) as failed:
+        oai.chat.completions.create(**bodies["/v1/chat/completions"])
+    assert "grammar" in failed.value.body["message"]
+
+
+def _streamed_text(path: str, records: list[dict[str, Any]]) -> str:
+    if path == "/v1/chat/completions":
+        return "".join(r["choices"][0]["delta"].get("content") or "" for r in records if r.get("choices"))
+    if path == "/v1/responses":
+        return "".join(r["delta"] for r in records if r["type"] == "response.output_text.delta")
+    return "".join(r["delta"]["text"] for r in records
+                   if r["type"] == "content_block_delta" and r["delta"]["type"] == "text_delta")
+
+
+def test_auto_holds_calls_only_where_a_tool_is_a_contract(view):
+    def grammar_of(**body: Any) -> dict[str, str] | None:
+        request = openai_responses.parse({"model": "m", "input": "Hi", **body}, view, {})
+        return tool_calls.plan(view, request).grammar
+
+    assert grammar_of(tools=RESPONSES_TOOLS) is None  # nothing to hold: the reply runs free
+    held = grammar_of(tools=[*RESPONSES_TOOLS, PAINT_TOOL])
+    assert held is not None and held["kind"] == "lark" and '"pattern": "^(?:' in held["source"]
+    strict = grammar_of(tools=[{**RESPONSES_TOOLS[0], "strict": True}])
+    assert strict is not None and '"enum"' not in strict["source"] and '"city"' in strict["source"]
+    recursive = {**PAINT_TOOL, "format": {"type": "grammar", "syntax": "lark",
+                                          "definition": 'start: "(" start ")" | "x"'}}
+    assert grammar_of(tools=[recursive]) is None  # not regular: its input is left free under auto
+    regex_tool = {**PAINT_TOOL, "format": {"type": "grammar", "syntax": "regex", "definition": "[0-9]+"}}
+    assert '"pattern": "^(?:[0-9]+)$"' in grammar_of(tools=[regex_tool])["source"]
+    # a requested reply format takes precedence: the plan adds no grammar of its own
+    request = openai_responses.parse({"model": "m", "input": "Hi", "tools": [PAINT_TOOL],
+                                      "text": {"format": {"type": "json_object"}}}, view, {})
+    assert tool_calls.plan(view, request).grammar is None and request.grammar["kind"] == "json_object"

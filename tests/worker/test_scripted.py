@@ -71,6 +71,20 @@ def test_replies_by_marker_and_in_turn_then_end_of_turn(engine, tmp_path):
     assert first.logprobs[0] == pytest.approx(float(ops.log_softmax(logits.astype(np.float64))[5]), abs=1e-4)
 
 
+def test_then_sample_goes_on_with_the_model_after_the_script(engine, tmp_path):
+    path = tmp_path / "script.json"
+    path.write_text(json.dumps([{"ids": [5, 6], "then": "sample"}, [7]]))
+    script = ScriptedReplies.load(path, engine.tokenizer)
+    sent = run(engine, script, {"sampled": [1, 2, 3], "ended": [1, 2, 3]})
+    end = end_of_turn_id(engine.tokenizer)
+    sampled = tokens(sent, "sampled")
+    # the scripted pair, then the model's own tokens until max_tokens (20) or its end of turn
+    assert sampled[:2] == [5, 6] and len(sampled) > 2, sampled
+    finish = next(m for m in sent if isinstance(m, Finished) and m.request_id == "sampled")
+    assert (finish.reason, len(sampled)) == ("length", 20) or sampled[-1] in engine.tokenizer.stop_ids
+    assert tokens(sent, "ended") == [7, end]
+
+
 @pytest.mark.parametrize("content, message", [
     ("not json", "cannot read"),
     ('{"text": "x"}', "JSON list"),
@@ -79,6 +93,7 @@ def test_replies_by_marker_and_in_turn_then_end_of_turn(engine, tmp_path):
     ('[["a"]]', "integer token ids"),
     ('[[99999999]]', "outside"),
     ('[{"text": "x", "when": ""}]', "'when'"),
+    ('[{"text": "x", "then": "stop"}]', "'then'"),
 ])
 def test_a_bad_script_is_refused_with_a_clear_message(engine, tmp_path, content, message):
     path = tmp_path / "script.json"
