@@ -205,7 +205,7 @@ class DecoderModel:
             q = ops.rms_norm(q, q_norm, self.hp.rms_eps)
         if k_norm is not None:
             k = ops.rms_norm(k, k_norm, self.hp.rms_eps)
-        return self.attend(i, q, k, v, fp, window) @ layer["wo"].T
+        return ops.times_transposed(self.attend(i, q, k, v, fp, window), layer["wo"])
 
     def attend(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, fp: ForwardPass,
                window: int | None = None) -> np.ndarray:
@@ -262,7 +262,9 @@ class DecoderModel:
         return list(logits)
 
     def logits(self, x: np.ndarray) -> np.ndarray:
-        return ops.rms_norm(x, self.output_norm, self.hp.rms_eps) @ self.output.T
+        # rows contiguous again: each sequence's logits are read as one vector
+        return np.ascontiguousarray(ops.times_transposed(ops.rms_norm(x, self.output_norm, self.hp.rms_eps),
+                                                         self.output))
 
     @property
     def weight_bytes(self) -> int:
