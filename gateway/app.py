@@ -48,6 +48,7 @@ class GatewaySettings:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 6.0
     max_buffered: int = 4096  # unread replies per request before a slow reader is cut off
+    drain_timeout: float = 30.0  # on shutdown, seconds in-flight replies get before they are cut
 
 
 class Gateway:
@@ -58,6 +59,19 @@ class Gateway:
         self.client = WorkerClient(settings.worker, settings.heartbeat_interval, settings.heartbeat_timeout,
                                    max_buffered=settings.max_buffered)
         self._view: ModelView | None = None
+        self.cut: asyncio.Event | None = None  # set when the drain timeout runs out (lifespan)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def begin_drain(self) -> None:
+        """Shutdown began (any thread, a signal handler too): replies still running when the
+        drain timeout is almost over end with an error event in their dialect, before the HTTP
+        server drops their connections at the timeout itself."""
+        loop, cut = self._loop, self.cut
+        if loop is None or cut is None:
+            return
+        timeout = self.settings.drain_timeout
+        delay = max(0.0, timeout - min(1.0, timeout / 10))
+        loop.call_soon_threadsafe(loop.call_later, delay, cut.set)
 
     def view(self) -> ModelView:
         card = self.client.card
@@ -73,7 +87,7 @@ class Gateway:
         view = self.view()
         neutral = dialect.parse(body, view, request.headers)
         events = access_log.observe(request.scope, neutral.stream,
-                                    generate(view, self.client, neutral, self.settings.ping_interval))
+                                    generate(view, self.client, neutral, self.settings.ping_interval, self.cut))
         first = await _first_started(events)
         if neutral.stream:
             return sse.streaming_response(_stream_body(dialect, neutral, view, first, events))
@@ -147,6 +161,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        gateway.cut, gateway._loop = asyncio.Event(), asyncio.get_running_loop()
         await gateway.client.start()
         try:
             yield

@@ -27,7 +27,7 @@ from gateway.neutral import (
 )
 from gateway.prompting import THINK_CLOSE, THINK_OPEN, ModelView
 from gateway.stop_strings import StopStringMatcher, partial_suffix
-from shared.errors import WorkerUnavailableError
+from shared.errors import ShuttingDownError, WorkerUnavailableError
 from shared.protocol import Accepted, Finished, Generate, Tokens
 from shared.worker_client import WorkerClient
 
@@ -89,11 +89,13 @@ class ReasoningSplitter:
 
 
 async def generate(view: ModelView, client: WorkerClient, request: NeutralRequest,
-                   ping_interval: float = 10.0) -> AsyncIterator[Event]:
+                   ping_interval: float = 10.0, cut: asyncio.Event | None = None) -> AsyncIterator[Event]:
     """Yield Started, then content events and Pings, then one Finish.
 
     Errors raised before Started (busy, rejected, prompt too long, worker down) come out as
-    exceptions, so the caller can still answer with an HTTP error status.
+    exceptions, so the caller can still answer with an HTTP error status. When ``cut`` is set
+    (the gateway's drain timeout ran out) the reply ends with ShuttingDownError, which each
+    dialect renders as its own error event, and the worker is told to stop.
     """
     tools = tool_calls.plan(view, request)
     prompt = view.prompt_ids(tools.prompt_messages(request.messages), tools.declared, request.reasoning,
@@ -119,10 +121,15 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
     reasoning_tokens = 0
     stream = client.generate(worker_request)
     pending: asyncio.Task | None = None
+    cutting = asyncio.ensure_future(cut.wait()) if cut is not None else None
     try:
         pending = asyncio.ensure_future(stream.__anext__())
         while True:
-            done, _ = await asyncio.wait({pending}, timeout=ping_interval)
+            waiting = {pending} if cutting is None else {pending, cutting}
+            done, _ = await asyncio.wait(waiting, timeout=ping_interval, return_when=asyncio.FIRST_COMPLETED)
+            if pending not in done and cutting in done:
+                raise ShuttingDownError("the server is shutting down and its drain timeout has passed: "
+                                        "this reply was cut; send the request again")
             if not done:
                 yield Ping()
                 continue
@@ -163,6 +170,8 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
                 return
             pending = asyncio.ensure_future(stream.__anext__())
     finally:
+        if cutting is not None:
+            cutting.cancel()
         # Closing the worker stream sends ABORT. A task still waiting on it is cancelled (which
         # closes it); otherwise close it here. Neither step suspends, so this also completes
         # while our caller is being cancelled because the client went away.

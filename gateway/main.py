@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import socket
 import sys
+from typing import Any
 
 import uvicorn
 
-from gateway.app import GatewaySettings, create_app
+from gateway.app import Gateway, GatewaySettings, create_app
 from gateway.edge import EdgeSettings
 from shared import log_format
 from shared import settings as flags
@@ -45,8 +46,23 @@ def settings_from(args) -> GatewaySettings:
     allow = args.allow_host
     return GatewaySettings(
         worker=args.worker, ping_interval=args.ping_interval, max_buffered=args.max_buffered,
+        drain_timeout=args.drain_timeout,
         edge=EdgeSettings(bind_host=args.host, api_key=args.api_key, allow_hosts=list(allow),
                           conns=args.conns, max_body=args.max_body))
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, telling the gateway when shutdown begins so that replies still running
+    near the end of --drain-timeout are ended in their dialect instead of dropped."""
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway):
+        super().__init__(config)
+        self.gateway = gateway
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            self.gateway.begin_drain()
+        super().handle_exit(sig, frame)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -77,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     # log_config=None: uvicorn's own records go through our handler (and --log-format) too
     config = uvicorn.Config(app, log_level="warning", log_config=None, timeout_keep_alive=30, lifespan="on",
                             timeout_graceful_shutdown=args.drain_timeout)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.gateway)
     logging.getLogger("lmserve.gateway").info("gateway on http://%s:%d (worker %s)", args.host, args.port, args.worker)
     server.run(sockets=[sock])
     return 0

@@ -92,3 +92,10 @@ class WorkerUnavailableError(LmserveError):
 
     status = 503
     kind = "worker_unavailable"
+
+
+class ShuttingDownError(LmserveError):
+    """The gateway is shutting down and its drain timeout has passed: the reply is cut."""
+
+    status = 503
+    kind = "shutting_down"

@@ -191,4 +191,11 @@ def test_the_peer_kernels_are_held_to_the_reference_of_their_path() -> None:
     good = serve.peer_kernel_line({"pp512": 257.0, "tg128": 106.0, "path": "without AMX", "references": refs})
     assert "within 15%" in good and "pp512 257 (reference 200-250)" in good
     slow = serve.peer_kernel_line({"pp512": 120.0, "tg128": 95.0, "path": "without AMX", "references": refs})
-    assert "OUTSIDE" in slow and "for pp512" in slow and "tg128" not in slow.split("for ")[1]
+    assert "TOO SLOW in pp512:" in slow and "do not trust" in slow
+    fast = serve.peer_kernel_line({"pp512": 316.0, "tg128": 137.0, "path": "without AMX", "references": refs})
+    assert "faster than the reference in pp512, tg128" in fast
+
+
+def test_the_peer_server_is_read_against_its_own_kernels_when_measured() -> None:
+    line = serve.peer_sanity_line(75.5, {"tg128": 137.0})
+    assert "75.5 tok/s, 55% of its kernels' tg128 (137 tok/s)" in line

@@ -94,3 +94,16 @@ def test_invalid_params_are_rejected(bad):
 def test_params_survive_the_wire():
     params = SamplingParams(temperature=0.5, top_k=7, seed=3, logit_bias={5: -1.5}, top_logprobs=2, logprobs=True)
     assert SamplingParams.from_wire(params.to_wire()) == params
+
+
+@pytest.mark.parametrize("flatness", [0.5, 3.0, 30.0])  # nucleus within 64, within 1,024, beyond
+def test_nucleus_matches_a_full_sort(flatness):
+    from worker.engine.sampling import nucleus
+    rng = np.random.default_rng(int(flatness * 10))
+    probs = np.exp(rng.standard_normal(50_000) * flatness / 3.0 - np.arange(50_000) / (1000.0 * flatness))
+    probs /= probs.sum()
+    for top_p in (0.1, 0.5, 0.9, 0.99):
+        order = np.argsort(-probs, kind="stable")
+        expected = order[:int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1]
+        got = nucleus(probs, top_p)
+        assert set(got.tolist()) == set(expected.tolist()), (flatness, top_p, len(got), len(expected))

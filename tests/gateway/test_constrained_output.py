@@ -8,6 +8,7 @@ model cannot wander inside a JSON string until max_tokens.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 from typing import Any
@@ -265,3 +266,31 @@ def test_json_schema_and_regex_on_qwen3(qwen):
     message = messages_reply(claude, False, messages=[user("Yes or no?")], max_tokens=20,
                              extra_body={"grammar": {"type": "regex", "definition": REGEX}})
     assert re.fullmatch(REGEX, text_of(message)), message.content
+
+
+def test_four_grammars_and_a_free_stream_at_once_on_qwen3(qwen):
+    """Four differently constrained requests and one free one, sent together to a worker that
+    batches four: every constrained reply keeps to its own grammar and the free one finishes."""
+    oai, claude = qwen
+    jobs = {
+        "schema": lambda: chat_reply(oai, True, messages=[user("Report.")], max_tokens=40, response_format={
+            "type": "json_schema", "json_schema": {"name": "report", "schema": REPORT}}).message.content,
+        "regex": lambda: text_of(messages_reply(claude, True, messages=[user("Yes or no?")], max_tokens=20,
+                                                extra_body={"grammar": {"type": "regex", "definition": REGEX}})),
+        "lark": lambda: responses_reply(oai, True, input="A colour?", max_output_tokens=20,
+                                        extra_body={"grammar": {"type": "lark", "definition": LARK}}).output_text,
+        "call": lambda: chat_reply(oai, False, messages=[user(QUESTION)], tools=CHAT_TOOLS,
+                                   tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                   parallel_tool_calls=False, max_tokens=60).message.tool_calls,
+        "free": lambda: chat_reply(oai, False, messages=[user("Say anything.")], max_tokens=12),
+    }
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        results = {name: future.result(timeout=300) for name, future in futures.items()}
+    jsonschema.validate(json.loads(results["schema"]), REPORT)
+    assert re.fullmatch(REGEX, results["regex"]), results["regex"]
+    assert in_lark(LARK, results["lark"]), results["lark"]
+    (call,) = results["call"]
+    assert call.function.name == "get_time"
+    check_call("get_time", call.function.arguments)
+    assert results["free"].finish_reason in ("stop", "length")
