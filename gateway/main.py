@@ -31,7 +31,8 @@ def add_gateway_flags(p) -> None:
     p.add_argument("--ping-interval", type=float, default=10.0,
                    help="seconds of silence before an SSE keep-alive while a prompt is read")
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on shutdown, seconds in-flight requests get to finish before they are cut")
+                   help="on shutdown, seconds in-flight requests get to finish; a reply still running is then "
+                        "cut with an error in its dialect")
     flags.add_log_flags(p)
 
 
