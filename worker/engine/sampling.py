@@ -80,16 +80,19 @@ class Sampler:
             candidates = np.flatnonzero(np.isfinite(scores))
         if candidates.size == 0:
             return int(np.argmax(scores))
-        probs = ops.softmax(scores[candidates].astype(np.float64))
-        if p.top_p < 1.0:
-            kept = nucleus(probs, p.top_p)
-            candidates, probs = candidates[kept], probs[kept]
-        if p.min_p > 0:
-            keep = probs >= p.min_p * probs.max()
-            candidates, probs = candidates[keep], probs[keep]
-        tempered = np.log(probs) / p.temperature
-        final = ops.softmax(tempered)
-        return int(candidates[self.rng.choice(candidates.size, p=final)])
+        values = scores[candidates].astype(np.float64)
+        if p.top_p < 1.0 or p.min_p > 0:
+            probs = ops.softmax(values)
+            if p.top_p < 1.0:
+                kept = nucleus(probs, p.top_p)
+                candidates, values, probs = candidates[kept], values[kept], probs[kept]
+            if p.min_p > 0:
+                keep = probs >= p.min_p * probs.max()
+                candidates, values = candidates[keep], values[keep]
+        # softmax(log(p) / T) over the survivors is softmax(logits / T) over them
+        total = np.cumsum(ops.softmax(values / p.temperature))
+        pick = int(np.searchsorted(total, self.rng.random() * total[-1], side="right"))
+        return int(candidates[min(pick, candidates.size - 1)])
 
     def _logprobs(self, scores: np.ndarray, token: int) -> tuple[float, list[tuple[int, float]]]:
         p = self.params
@@ -115,10 +118,10 @@ def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
         if size >= probs.size:
             break
         top = np.argpartition(-probs, size - 1)[:size]
-        top = top[np.argsort(-probs[top], kind="stable")]
+        top = top[np.argsort(-probs[top])]
         total = np.cumsum(probs[top])
         if total[-1] >= top_p:
             return top[:int(np.searchsorted(total, top_p)) + 1]
-    order = np.argsort(-probs, kind="stable")
+    order = np.argsort(-probs)  # SIMD-sorted: equal probabilities may come in any order
     total = np.cumsum(probs[order])
     return order[:int(np.searchsorted(total, top_p)) + 1]
