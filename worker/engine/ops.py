@@ -128,22 +128,18 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_
     value_dim = values.shape[-1]
     group = n_head // n_kv
     keys_t = keys.transpose(0, 2, 1)
+    # the scale (and a softcap's division) go on the queries, far fewer than the scores
+    q = q * np.float32(scale if softcap is None else scale / softcap)
     if n_tokens == 1 and window is None:
-        # a decode step: the one query sees every key, and nothing here is large
-        # one matrix-vector product per query head: faster here than [G, d] @ [d, L]
+        # a decode step: the one query sees every key. One matrix-vector product per query
+        # head is faster here than [G, d] @ [d, L].
         scores = np.matmul(q[0].reshape(n_kv, group, 1, head_dim), keys_t[:, None])[:, :, 0]  # [K, G, L]
-        if softcap is not None:
-            scores = np.float32(softcap) * np.tanh(scores * np.float32(scale / softcap))
-        else:
-            scores *= np.float32(scale)
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
+        totals = _exp_in_place(scores, softcap)
         out = np.matmul(scores, values)  # [K, G, dv]
-        out /= scores.sum(axis=-1, keepdims=True)
+        out /= totals
         return out.reshape(1, n_head * value_dim)
     # rows ordered (query, head in group) per KV head, so a block of queries is a row range
-    scaled = q if softcap is not None else q * np.float32(scale)
-    rows = np.ascontiguousarray(scaled.reshape(n_tokens, n_kv, group, head_dim).transpose(1, 0, 2, 3))
+    rows = np.ascontiguousarray(q.reshape(n_tokens, n_kv, group, head_dim).transpose(1, 0, 2, 3))
     rows = rows.reshape(n_kv, n_tokens * group, head_dim)
     out = np.empty((n_kv, n_tokens * group, value_dim), dtype=np.float32)
     block = max(1, min(n_tokens, SCORES_BUDGET // (4 * n_kv * group * n_keys)))
@@ -153,11 +149,6 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_
         span = slice(t0 * group, t1 * group)
         scores = buffer[:n_kv * (t1 - t0) * group * n_keys].reshape(n_kv, (t1 - t0) * group, n_keys)
         np.matmul(rows[:, span], keys_t, out=scores)
-        if softcap is not None:
-            np.multiply(scores, np.float32(scale / softcap), out=scores)
-            np.tanh(scores, out=scores)
-            np.multiply(scores, np.float32(softcap), out=scores)
-        by_query = scores.reshape(n_kv, t1 - t0, group, n_keys)
         query_pos = first_pos + np.arange(t0, t1)[:, None]
         # keys before the block's first query are visible to all of it unless a window hides them
         lo = 0 if window is not None else min(n_keys, first_pos + t0 + 1)
@@ -166,14 +157,23 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_
         if window is not None:
             hidden |= (query_pos - key_pos) >= window
         if hidden.any():
-            tail = by_query[..., lo:]
+            tail = scores.reshape(n_kv, t1 - t0, group, n_keys)[..., lo:]
             tail[np.broadcast_to(hidden[None, :, None, :], tail.shape)] = -np.inf
-        np.subtract(scores, scores.max(axis=-1, keepdims=True), out=scores)
-        np.exp(scores, out=scores)
-        totals = scores.sum(axis=-1, keepdims=True)
+        totals = _exp_in_place(scores, softcap)
         np.matmul(scores, values, out=out[:, span])
         np.divide(out[:, span], totals, out=out[:, span])
     return out.reshape(n_kv, n_tokens, group, value_dim).transpose(1, 0, 2, 3).reshape(n_tokens, n_head * value_dim)
+
+
+def _exp_in_place(scores: np.ndarray, softcap: float | None) -> np.ndarray:
+    """Scaled scores -> the softmax's numerators, in place (after the softcap, if any); returns
+    their sums over the keys, by which the caller divides the attention output."""
+    if softcap is not None:
+        np.tanh(scores, out=scores)
+        np.multiply(scores, np.float32(softcap), out=scores)
+    np.subtract(scores, scores.max(axis=-1, keepdims=True), out=scores)
+    np.exp(scores, out=scores)
+    return scores.sum(axis=-1, keepdims=True)
 
 
 # --- feed-forward ----------------------------------------------------------------------------
