@@ -465,7 +465,8 @@ def test_a_custom_tool_called_under_auto_keeps_to_its_grammar(oai, stream):
     """The script opens the call and its input string; the model writes the input itself, held to
     the tool's Lark grammar (rewritten as the JSON string's pattern), and the call closes."""
     reply = respond(oai, stream, "Paint it. [[auto-paint]]", tools=[*RESPONSES_TOOLS, PAINT_TOOL],
-                    tool_choice="auto", max_output_tokens=200, temperature=1.0)
+                    tool_choice="auto", max_output_tokens=200, temperature=1.0,
+                    parallel_tool_calls=False)  # the grammar ends the reply after this call
     assert reply.status == "completed", reply
     (call,) = [item for item in reply.output if item.type == "custom_tool_call"]
     assert call.name == "paint" and call.input.startswith("*** Begin Patch\n")
@@ -476,15 +477,18 @@ def test_a_custom_tool_called_under_auto_keeps_to_its_grammar(oai, stream):
 def test_a_strict_function_called_under_auto_keeps_to_its_schema(oai, claude, stream):
     strict_chat = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY_SCHEMA,
                                                      "strict": True}}]
-    reply = chat(oai, stream, [user("Weather? [[auto-strict]]")], tools=strict_chat, temperature=1.0)
+    reply = chat(oai, stream, [user("Weather? [[auto-strict]]")], tools=strict_chat, temperature=1.0,
+                 parallel_tool_calls=False)  # one call: the grammar ends the reply after it
     (call,) = reply.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), CITY_SCHEMA)
     strict_responses = [{"type": "function", "name": "get_weather", "parameters": CITY_SCHEMA, "strict": True}]
-    response = respond(oai, stream, "Weather? [[auto-strict]]", tools=strict_responses, temperature=1.0)
+    response = respond(oai, stream, "Weather? [[auto-strict]]", tools=strict_responses, temperature=1.0,
+                       parallel_tool_calls=False)
     (item,) = response.output
     jsonschema.validate(json.loads(item.arguments), CITY_SCHEMA)
     strict_anthropic = [{"name": "get_weather", "input_schema": CITY_SCHEMA, "strict": True}]
-    answer = message(claude, stream, [user("Weather? [[auto-strict]]")], tools=strict_anthropic)
+    answer = message(claude, stream, [user("Weather? [[auto-strict]]")], tools=strict_anthropic,
+                     tool_choice={"type": "auto", "disable_parallel_tool_use": True})
     (block,) = answer.content
     assert block.type == "tool_use" and answer.stop_reason == "tool_use"
     jsonschema.validate(block.input, CITY_SCHEMA)
