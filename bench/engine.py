@@ -1,7 +1,10 @@
 """Engine speed on the default model: prefill tokens/s (512 and 2048 prompt tokens), decode
 tokens/s at batch 1 and batch 8, and the process's peak memory.
 
-    python -m bench.engine [MODEL.gguf] [--repeats N]
+    python -m bench.engine [MODEL.gguf] [--repeats N] [--threads N] [--exact]
+
+The served path keeps the weights in the file's blocks (int8 kernels); ``--exact`` measures the
+float32 path (every weight dequantized at load, BLAS products) instead, for comparison.
 
 Figures are min / median / max over the repeats. The peer's figures on the same machine
 class come from ``python -m bench.serve`` (which runs both servers in one go).
@@ -16,6 +19,7 @@ import time
 
 import numpy as np
 
+from worker.engine import kernels
 from worker.engine.engine import Engine
 
 
@@ -58,13 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__)
     parser.add_argument("model", nargs="?")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="kernel threads (0: every core)")
+    parser.add_argument("--exact", action="store_true", help="float32 weights and BLAS instead of the kernels")
     args = parser.parse_args(argv)
     from shared.default_model import default_model_path
+    threads = kernels.set_threads(args.threads or None)
     started = time.perf_counter()
-    engine = Engine.load(args.model or default_model_path())
+    engine = Engine.load(args.model or default_model_path(), exact=args.exact)
     load_seconds = time.perf_counter() - started
+    held = "float32 (exact path)" if args.exact else "in the file's blocks"
     print(f"model {engine.model_id} ({engine.architecture}), {engine.model.weight_bytes / 2**20:.0f} MiB "
-          f"of float32 weights, loaded in {load_seconds:.1f} s")
+          f"of weights held {held}, loaded in {load_seconds:.1f} s, {threads} threads")
     print(f"{'lmserve engine':40s} {'min':>8s} {'median':>8s} {'max':>8s}")
     for label, values in measure(engine, args.repeats):
         print(f"{label:40s} {_spread(values)}")

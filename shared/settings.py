@@ -90,8 +90,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_worker_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ctx", type=int, default=4096,
-                   help="per-request context budget in tokens, prompt and completion together")
+    p.add_argument("--ctx", type=int, default=0,
+                   help="per-request context budget in tokens, prompt and completion together "
+                        "(0: the model's trained context, reduced if --kv-slots full caches would "
+                        "not fit in half of the memory available)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="threads of the compute kernels (0: every core this process may use)")
     p.add_argument("--queue", type=int, default=16, help="max queued requests before 429")
     p.add_argument("--batch", type=int, default=1,
                    help="lockstep-decode up to N requests together (raises --kv-slots to N)")
@@ -123,10 +127,10 @@ def add_log_flags(p: argparse.ArgumentParser) -> None:
 
 
 def check_worker_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("ctx", "queue", "batch", "kv_slots", "prefill_chunk", "kv_disk_slots", "kv_chunk"):
-        if getattr(args, name) < (0 if name == "queue" else 1):
+    for name in ("ctx", "queue", "batch", "kv_slots", "prefill_chunk", "kv_disk_slots", "kv_chunk", "threads"):
+        if getattr(args, name) < (0 if name in ("queue", "ctx", "threads") else 1):
             p.error(f"--{name.replace('_', '-')} must be positive")
-    if args.ctx < 16:
+    if 0 < args.ctx < 16:
         p.error("--ctx must be at least 16 tokens")
 
 

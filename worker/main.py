@@ -13,6 +13,7 @@ from shared import log_format
 from shared import settings as flags
 from shared.errors import LmserveError
 from shared.load_progress import ProgressBar, StatusWriter
+from worker.engine import kernels
 from worker.engine.engine import Engine
 from worker.kv_spill import KVSpiller
 from worker.scheduler import SchedulerSettings
@@ -20,6 +21,34 @@ from worker.scripted import ScriptedReplies
 from worker.server import WorkerServer, WorkerSettings
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+KV_MEMORY_SHARE = 0.5  # of the memory available at start, for --kv-slots full caches
+
+
+def available_memory() -> int:
+    """Bytes of memory available to this process now (MemAvailable, else all physical memory)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def context_budget(engine: Engine, kv_slots: int, memory: int, log: logging.Logger) -> int:
+    """The model's trained context, or less if kv_slots caches of it would not fit the memory
+    share (caches grow as they fill, so this bounds the worst case, not the start)."""
+    trained = engine.model.hp.context_length
+    per_token = engine.new_cache(1).bytes_per_token * kv_slots
+    fits = int(memory * KV_MEMORY_SHARE) // per_token
+    if fits >= trained:
+        return trained
+    ctx = max(16, fits)
+    log.warning("--ctx %d instead of the trained %d: %d KV slots of %d tokens (%.0f MiB each) fit in "
+                "half of the %.0f MiB available", ctx, trained, kv_slots, ctx,
+                ctx * per_token / kv_slots / 2**20, memory / 2**20)
+    return ctx
 
 
 def build_parser():
@@ -40,9 +69,9 @@ def build_parser():
     return p
 
 
-def _spiller(args, engine: Engine) -> KVSpiller | None:
+def _spiller(args, engine: Engine, ctx: int) -> KVSpiller | None:
     cache = engine.new_cache(1)
-    budget = args.kv_disk_slots * args.ctx * cache.bytes_per_token
+    budget = args.kv_disk_slots * ctx * cache.bytes_per_token
     store = open_store(redis_url=args.kv_store, directory=args.kv_cache_dir, max_bytes=budget)
     return KVSpiller(store, engine.fingerprint, args.kv_chunk) if store is not None else None
 
@@ -57,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from shared.default_model import default_model_path
         path = args.model or str(default_model_path())
+        threads = kernels.set_threads(args.threads or None)
         started = time.perf_counter()
         # Under lmserve serve the parent draws the bar; alone on a terminal, we do.
         bar = ProgressBar(sys.stderr, f"loading {os.path.basename(path)}") \
@@ -66,22 +96,26 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if bar is not None:
                 bar.finish()
-        log.info("loaded %s (%s, %.0f MB of weights) in %.1f s", engine.model_id, engine.architecture,
-                 engine.model.weight_bytes / 1e6, time.perf_counter() - started)
+        log.info("loaded %s (%s, %.0f MB of weights) in %.1f s, %d threads", engine.model_id,
+                 engine.architecture, engine.model.weight_bytes / 1e6, time.perf_counter() - started, threads)
+        for name, qtype in engine.model.dense_fallbacks.items():
+            log.warning("%s (%s) has no compiled kernel here: held as float32", name, qtype)
         scripted = ScriptedReplies.load(args.scripted_replies, engine.tokenizer) \
             if args.scripted_replies else None
         if scripted is not None:
             log.warning("scripted replies from %s: answers are replayed, not sampled (a test setup)",
                         args.scripted_replies)
-        spiller = _spiller(args, engine)
+        kv_slots = max(args.kv_slots, args.batch)
+        ctx = args.ctx or context_budget(engine, kv_slots, available_memory(), log)
+        spiller = _spiller(args, engine, ctx)
         if spiller is not None:
             log.info("kvstore: %s, %d-token chunks", spiller.store.describe(), spiller.chunk_tokens)
         server = WorkerServer(engine, WorkerSettings(
             spiller=spiller,
             endpoint=args.worker, heartbeat_timeout=args.heartbeat_timeout,
-            scheduler=SchedulerSettings(ctx=args.ctx, queue=args.queue, batch=args.batch,
-                                        kv_slots=max(args.kv_slots, args.batch),
-                                        prefill_chunk=args.prefill_chunk,
+            scheduler=SchedulerSettings(ctx=ctx, queue=args.queue, batch=args.batch,
+                                        kv_slots=kv_slots,
+                                        prefill_chunk=args.prefill_chunk, threads=threads,
                                         scripted_replies=scripted)))
     except LmserveError as exc:
         print(f"lmserve worker: {exc.message}", file=sys.stderr)

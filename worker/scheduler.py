@@ -33,6 +33,7 @@ from shared.protocol import (
     Tokens,
 )
 from shared.sampling_params import SamplingParams
+from worker.engine import kernels
 from worker.engine.engine import Engine
 from worker.engine.sampling import Sampler
 from worker.grammar import GrammarEngine
@@ -52,6 +53,7 @@ class SchedulerSettings:
     batch: int = 1  # streams decoded together
     kv_slots: int = 1  # resident caches (at least batch)
     prefill_chunk: int = 256  # prompt tokens per step while others decode
+    threads: int | None = None  # kernel threads of the engine thread (None: every core)
     scripted_replies: ScriptedReplies | None = None  # tests only: replay given tokens (worker/scripted.py)
 
 
@@ -224,6 +226,7 @@ class Scheduler:
     # --- the engine thread ------------------------------------------------------------------------
 
     def run(self) -> None:
+        kernels.set_threads(self.settings.threads)  # numba's thread count is per calling thread
         while not self.stopping:
             self._admit()
             if not self.running:

@@ -24,7 +24,7 @@ from access_logs import access_entries
 from conftest import GatewayProcess, WorkerProcess, wait_until
 from deploy_helpers import NginxProcess
 
-QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "Name the capital city of France."}]
 
 
 @dataclass
@@ -67,7 +67,7 @@ def _chat_stream(top: Topology) -> tuple[str, str]:
 
 
 def _responses_stream(top: Topology) -> tuple[str, str]:
-    with top.openai().responses.stream(model="m", input="Which city is the capital of France?",
+    with top.openai().responses.stream(model="m", input="Name the capital city of France.",
                                        max_output_tokens=8) as stream:
         text = "".join(event.delta for event in stream if event.type == "response.output_text.delta")
     return "", text

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from worker.engine import ops
+from worker.engine.kernels import attention
 
 
 def reference(q, keys, values, first_pos, scale, window=None, softcap=None):
@@ -57,3 +58,52 @@ def test_blocked_attention_matches_the_reference(monkeypatch, n_tokens, first_po
     want = reference(q, keys, values, first_pos, 0.35, window, softcap)
     assert got.shape == want.shape and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_tokens, first_pos, window, softcap, head_dim, value_dim", [
+    (1, 0, None, None, 64, 64),        # the first token
+    (1, 150, None, None, 64, 64),      # a decode step over three key blocks
+    (37, 0, None, None, 64, 64),       # a prompt: query blocks of 8, a partial last one
+    (37, 150, None, None, 16, 80),     # a chunk after a prefix; values 64 + 16 wide
+    (21, 100, 50, None, 32, 32),       # a sliding window that starts inside a key block
+    (5, 70, None, 30.0, 64, 16),       # soft-capped scores
+])
+def test_compiled_attention_matches_the_reference(n_tokens, first_pos, window, softcap, head_dim, value_dim):
+    rng = np.random.default_rng(n_tokens * 1000 + first_pos)
+    n_kv, group = 2, 3
+    n_keys = first_pos + n_tokens
+    keys = rng.standard_normal((n_kv, n_keys + 5, head_dim), dtype=np.float32)[:, :n_keys]
+    values = rng.standard_normal((n_kv, n_keys + 5, value_dim), dtype=np.float32)[:, :n_keys]
+    q = rng.standard_normal((n_tokens, n_kv * group, head_dim), dtype=np.float32)
+    out = np.empty((n_tokens, n_kv * group * value_dim), dtype=np.float32)
+    got = attention.causal_attention(q, keys, values, first_pos, np.float32(0.2), window or 0,
+                                     np.float32(softcap or 0.0), out)
+    want = reference(q, keys, values, first_pos, 0.2, window, softcap)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(ops.causal_attention(q, keys, values, first_pos, 0.2, window, softcap), got)
+
+
+def test_a_query_gets_the_same_bits_in_any_chunk():
+    """What a query computes depends on its position and the cache only: a prompt attended in
+    one call, in uneven chunks, or a token at a time gives identical rows."""
+    rng = np.random.default_rng(9)
+    n_tokens, n_kv, group, head_dim = 150, 3, 3, 64
+    keys = rng.standard_normal((n_kv, n_tokens, head_dim), dtype=np.float32)
+    values = rng.standard_normal((n_kv, n_tokens, head_dim), dtype=np.float32)
+    q = rng.standard_normal((n_tokens, n_kv * group, head_dim), dtype=np.float32)
+    whole = ops.causal_attention(q, keys, values, 0, 0.125)
+    for cuts in ([0, 7, 8, 70, 150], list(range(151))):
+        parts = [ops.causal_attention(q[a:b], keys[:, :b], values[:, :b], a, 0.125)
+                 for a, b in zip(cuts, cuts[1:])]
+        np.testing.assert_array_equal(np.concatenate(parts), whole)
+
+
+def test_exp_nonpositive_is_close_to_numpy():
+    x = -np.concatenate([np.linspace(0, 90, 100_001), [1e-9, 0.5, 86.9]]).astype(np.float32)
+    got = np.array([attention.exp_nonpositive(np.float32(v)) for v in x[::97]], dtype=np.float64)
+    want = np.exp(x[::97].astype(np.float64))
+    normal = want > 1e-37
+    relative = np.abs(got[normal] - want[normal]) / want[normal]
+    assert relative.max() < 1e-5  # float32's own rounding of x·log2(e) is ~5e-6 near x = -87
+    assert relative[x[::97][normal] > -10].max() < 1e-6
+    assert np.all(got[~normal] < 1e-37)

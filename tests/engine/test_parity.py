@@ -1,7 +1,17 @@
 """Logits parity with an independent implementation (llama.cpp, through llama-cpp-python).
 
 The expected values are committed fixtures written by scripts/regen_logit_fixtures.py: the tiny
-models are rebuilt here from the same seeds; SmolLM2 is the real default model.
+models are rebuilt here from the same seeds; SmolLM2 is the real default model, evaluated by
+llama.cpp in float32 from its dequantized weights.
+
+Two paths of ours meet that fixture. The exact path (weights dequantized to float32 at load,
+BLAS products) must match it to float rounding. The served path (weights in their Q4_1/Q8_0
+blocks, activations rounded to int8 per 32-value block, as llama.cpp's own CPU kernels do) is
+held to tolerances that such rounding meets and a wrong kernel does not: the same top-1 at
+90% of positions and a different one only where the reference's top two are within 0.25,
+mean KL over the reference top-20 below 0.01 and every position's below 0.05 (measured: 36
+of 38, the two others 0.08 and 0.03 apart in the reference; KL mean 0.006, max 0.030).
+llama.cpp's own AVX2 and AVX-512 builds differ by up to 0.46 in log-prob here.
 """
 
 from __future__ import annotations
@@ -25,9 +35,8 @@ def _fixture(name: str) -> dict:
     return {key: data[key] for key in data.files} | {"meta": json.loads(str(data["meta"]))}
 
 
-def _compare(model, fixture: dict, chunks: list[int]) -> tuple[float, float]:
-    """Run the fixture's tokens in the given chunk sizes; return max |Δlogit| and max |Δlogprob|
-    over each position's reference top-20, after asserting the same top-1 everywhere."""
+def _logits(model, fixture: dict, chunks: list[int]) -> np.ndarray:
+    """The fixture's tokens run through a fresh cache in the given chunk sizes: logits [n, vocab]."""
     tokens = fixture["tokens"].tolist()
     cache = model.new_cache(len(tokens) + 1)
     logits, start = [], 0
@@ -35,7 +44,13 @@ def _compare(model, fixture: dict, chunks: list[int]) -> tuple[float, float]:
         logits.append(model.forward([(cache, tokens[start:start + size])], all_logits=True)[0])
         start += size
     assert start == len(tokens)
-    ours = np.concatenate(logits)
+    return np.concatenate(logits)
+
+
+def _compare(model, fixture: dict, chunks: list[int]) -> tuple[float, float]:
+    """Run the fixture's tokens in the given chunk sizes; return max |Δlogit| and max |Δlogprob|
+    over each position's reference top-20, after asserting the same top-1 everywhere."""
+    ours = _logits(model, fixture, chunks)
     np.testing.assert_array_equal(ours.argmax(axis=-1), fixture["top1"])
     top_ids, top_ref = fixture["top_ids"], fixture["top_logits"]
     top_ours = np.take_along_axis(ours, top_ids, axis=-1)
@@ -61,7 +76,35 @@ def test_tiny_model_logits_match_llama_cpp(arch, tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2(default_model):
+    return load_model(GGUFFile(default_model), exact=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2_served(default_model):
     return load_model(GGUFFile(default_model))
+
+
+def test_smollm2_served_path_tracks_llama_cpp(smollm2_served):
+    fixture = _fixture("smollm2")
+    n = len(fixture["tokens"])
+    for chunks in ([n], [16, n - 16]):
+        ours = _logits(smollm2_served, fixture, chunks).astype(np.float64)
+        reference_top1 = fixture["top1"]
+        # positions may flip only where the reference itself is a near tie (measured: 2 of 38,
+        # its top two 0.08 and 0.03 apart; our flipped margins at most 0.16)
+        ours_top1 = ours.argmax(axis=-1)
+        assert np.mean(ours_top1 == reference_top1) >= 0.9
+        for i in np.nonzero(ours_top1 != reference_top1)[0]:
+            listed = list(fixture["top_ids"][i])
+            assert ours_top1[i] in listed, f"position {i}: our choice is outside the reference top-20"
+            gap = fixture["top_logits"][i][0] - fixture["top_logits"][i][listed.index(ours_top1[i])]
+            assert gap < 0.25, f"position {i}: the reference prefers its choice by {gap:.2f}"
+        top_ids = fixture["top_ids"]
+        ref = np.exp(fixture["top_logits"] - fixture["logsumexp"][:, None])
+        mine = np.exp(np.take_along_axis(log_softmax(ours), top_ids, axis=-1))
+        ref, mine = ref / ref.sum(-1, keepdims=True), mine / mine.sum(-1, keepdims=True)
+        kl = (ref * (np.log(ref) - np.log(mine))).sum(axis=-1)
+        assert kl.mean() < 0.01 and kl.max() < 0.05, (kl.mean(), kl.max())
 
 
 def test_smollm2_logits_match_llama_cpp_on_the_dequantized_weights(smollm2):
@@ -87,15 +130,20 @@ def test_smollm2_greedy_continuation_matches_llama_cpp(smollm2):
     assert produced == expected  # "The capital of France is Paris." then <|im_end|>
 
 
-def test_batched_forward_matches_one_at_a_time(smollm2):
+@pytest.mark.parametrize("path", ["exact", "served"])
+def test_batched_forward_matches_one_at_a_time(path, smollm2, smollm2_served):
+    model = smollm2 if path == "exact" else smollm2_served
     rng = np.random.default_rng(5)
+    # 31 rows together: each prompt's last row falls in a tile of four, alone in the tail
     prompts = [rng.integers(0, 49152, n).tolist() for n in (5, 17, 9)]
     alone = []
     for prompt in prompts:
-        cache = smollm2.new_cache(64)
-        alone.append(smollm2.forward([(cache, prompt)])[0])
-    caches = [smollm2.new_cache(64) for _ in prompts]
-    together = smollm2.forward(list(zip(caches, prompts)))
+        cache = model.new_cache(64)
+        alone.append(model.forward([(cache, prompt)])[0])
+    caches = [model.new_cache(64) for _ in prompts]
+    together = model.forward(list(zip(caches, prompts)))
     for a, b in zip(alone, together):
+        if path == "served":  # each row's arithmetic is independent of its neighbours
+            np.testing.assert_array_equal(a, b)
         assert np.abs(a - b).max() < 1e-3
         assert a.argmax() == b.argmax()

@@ -13,7 +13,7 @@ from conftest import wait_until
 
 from gateway.access_log import AccessRecord, text_line
 
-PARIS = [{"role": "user", "content": "Which city is the capital of France?"}]
+PARIS = [{"role": "user", "content": "Name the capital city of France."}]
 
 
 def _access_entries(gateway) -> list[dict]:

@@ -9,7 +9,7 @@ import anthropic
 import httpx
 import pytest
 
-PARIS = [{"role": "user", "content": "Which city is the capital of France?"}]
+PARIS = [{"role": "user", "content": "Name the capital city of France."}]
 HEADERS = {"anthropic-version": "2023-06-01"}
 # anthropic 2.x dropped temperature from its signature; the server still honours it.
 GREEDY = {"temperature": 0}

@@ -14,7 +14,7 @@ from conftest import wait_until
 
 http = httpx.Client(timeout=60)  # first requests to a fresh gateway can be slow on a loaded machine
 
-PARIS = [{"role": "user", "content": "Which city is the capital of France?"}]
+PARIS = [{"role": "user", "content": "Name the capital city of France."}]
 # keep SmolLM2 talking: forbid its end-of-turn tokens (<|endoftext|> 0, <|im_end|> 2)
 ENDLESS = {"model": "m", "messages": PARIS, "max_tokens": 1500, "stream": True,
            "temperature": 1.0, "seed": 7, "logit_bias": {"0": -100, "2": -100}}

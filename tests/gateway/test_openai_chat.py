@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-PARIS = [{"role": "user", "content": "Which city is the capital of France?"}]
+PARIS = [{"role": "user", "content": "Name the capital city of France."}]
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from gateway.neutral import (
 from gateway.prompting import ModelView
 from shared.errors import ContextOverflowError, WorkerUnavailableError
 
-QUESTION = "Which city is the capital of France?"
+QUESTION = "Name the capital city of France."
 TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
 # Strict schema checks: stricter than the SDK's own lenient parsing, as typed clients in other
 # languages are.

@@ -425,7 +425,8 @@ def test_history_renders_the_qwen_way(view, dialect):
 def test_tools_are_dropped_on_a_model_without_a_tool_convention(stack):
     oai = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
     claude = anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0)
-    question = "Which city is the capital of France?"
+    # (not "Which city is ...?": its first word is a near tie that int8 rounding may flip)
+    question = "Name the capital city of France."
     reply = oai.chat.completions.create(model="m", messages=[user(question)], tools=CHAT_TOOLS,
                                         temperature=0, max_tokens=30)
     assert "Paris" in reply.choices[0].message.content and not reply.choices[0].message.tool_calls

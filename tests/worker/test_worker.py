@@ -23,7 +23,7 @@ from shared.tokenizer import Tokenizer
 from shared.worker_client import WorkerClient
 
 QUESTIONS = [
-    "Which city is the capital of France?",
+    "Name the capital city of France.",
     "Name three primary colors.",
     "What is two plus two?",
     "Write a haiku about the sea.",
@@ -79,7 +79,7 @@ def test_model_card_describes_the_model(batch_worker):
     assert card.version == PROTOCOL_VERSION
     assert card.architecture == "llama"
     assert card.n_vocab == 49152
-    assert card.context_budget == 4096
+    assert card.context_budget == 8192  # no --ctx: the model's trained context (llama.context_length)
     assert card.capabilities["batch"] == 4
     assert "<|im_start|>" in card.chat_template
     assert Tokenizer.from_spec(card.tokenizer).vocab_size == 49152
@@ -132,10 +132,9 @@ def test_batched_streams_match_their_solo_texts(batch_worker, capsys):
             parted.append((question, at))
     with capsys.disabled():
         print(f"\nbatch of 4 vs solo: {4 - len(parted)}/4 identical; parted at {parted or 'nowhere'}")
-    # Float rounding in a 4-row matmul may flip a near-tie late in a stream; the first tokens
-    # must agree, and most streams entirely.
-    assert len(parted) <= 1
-    assert all(at >= 8 for _, at in parted)
+    # Every row's arithmetic is independent of the rows beside it (matmul tiles, attention
+    # chunks), and the batch reuses the prefixes the solo runs cached: the same bits either way.
+    assert not parted
 
 
 def test_abort_mid_decode_leaves_the_others_intact(batch_worker):

@@ -58,10 +58,12 @@ class Engine:
     metadata: dict = field(repr=False, default_factory=dict)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, on_progress: Callable[[int, int], None] | None = None) -> "Engine":
-        """on_progress(bytes read, bytes in all tensors) is called as the weights are read."""
+    def load(cls, path: str | os.PathLike, on_progress: Callable[[int, int], None] | None = None,
+             exact: bool = False) -> "Engine":
+        """on_progress(bytes taken, bytes in all tensors) is called as the weights are mapped.
+        ``exact`` holds every weight as float32 (see ``DecoderModel``)."""
         gguf = GGUFFile(path, on_progress)
-        model = load_model(gguf)
+        model = load_model(gguf, exact)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         source = gguf.metadata.get("tokenizer.chat_template")
         template = None

@@ -1,4 +1,7 @@
-"""Open a GGUF file: its metadata as plain Python values and its tensors as float32 arrays.
+"""Open a GGUF file: its metadata as plain Python values, its weights read in place.
+
+Weight matrices stay in the file's block format (``weight``: a view of the memory-mapped file,
+nothing copied); small tensors such as norms are read as float32 (``tensor``).
 
 The header (metadata and tensor table) is read here with ``struct``: the ``gguf`` package's
 reader builds numpy views for every string of a vocabulary, which takes over ten seconds for a
@@ -24,6 +27,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
 
 from shared.errors import ModelLoadError
+from worker.engine import kernels
+from worker.engine.weights import DenseWeight, QuantizedWeight, Weight, has_kernel, row_bytes
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -121,10 +126,12 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike, on_progress: Callable[[int, int], None] | None = None):
         self.path = os.fspath(path)
-        # Loading dequantizes every tensor once, which is most of a model's start-up time:
-        # on_progress(bytes read, bytes in all tensors) lets a caller show how far along it is.
+        # on_progress(bytes of the tensors taken so far, bytes in all tensors) lets a caller show
+        # how far along a load is
         self.on_progress = on_progress
         self._read: set[str] = set()
+        # weights held as float32 because no kernel serves their type: name -> type name
+        self.dense_fallbacks: dict[str, str] = {}
         self.bytes_read = 0
         if not os.path.isfile(self.path):
             raise ModelLoadError(f"model file not found: {self.path}")
@@ -138,7 +145,7 @@ class GGUFFile:
         except (struct.error, ValueError, UnicodeDecodeError, OverflowError, MemoryError) as exc:
             raise ModelLoadError(f"{self.path} is truncated or corrupt: its header could not be read ({exc})") from exc
         for info in self._tensors.values():
-            if info.type_id not in GGMLQuantizationType._value2member_map_:
+            if _known_type(info.type_id) is None:
                 continue  # reported when the tensor is asked for
             end = self._data_start + info.offset + info.n_bytes
             if end > size:
@@ -194,19 +201,32 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path} lacks tensor {name!r} required by {self.architecture}")
         return info
 
-    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """The named tensor as a C-contiguous float32 array (numpy order, outermost first)."""
+    def data_offset(self, info: TensorInfo) -> int:
+        """Where a tensor's bytes start in the file."""
+        return self._data_start + info.offset
+
+    def _checked(self, name: str, shape: tuple[int, ...] | None) -> tuple[TensorInfo, GGMLQuantizationType, np.ndarray]:
+        """The tensor's info, type and raw bytes (a view of the file), after the checks that
+        name the culprit: an unknown or undecodable type, a shape other than expected."""
         info = self.tensor_info(name)
-        known = info.type_id in GGMLQuantizationType._value2member_map_
-        if not known or GGMLQuantizationType(info.type_id) not in DECODABLE_TYPES:
+        qtype = _known_type(info.type_id)
+        if qtype is None or qtype not in DECODABLE_TYPES:
             raise ModelLoadError(
                 f"tensor {name!r} in {self.path} has type {info.type_name}, which lmserve cannot "
                 f"dequantize (supported: {', '.join(sorted(t.name for t in DECODABLE_TYPES))})")
-        qtype = GGMLQuantizationType(info.type_id)
         if shape is not None and info.shape != tuple(shape):
             raise ModelLoadError(f"tensor {name!r} in {self.path} has shape {info.shape}, expected {tuple(shape)}")
-        start = self._data_start + info.offset
-        raw = np.frombuffer(self._map, dtype=np.uint8, count=info.n_bytes, offset=start)
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=info.n_bytes, offset=self.data_offset(info))
+        if name not in self._read:
+            self._read.add(name)
+            self.bytes_read += info.n_bytes
+            if self.on_progress is not None:
+                self.on_progress(self.bytes_read, self.total_bytes)
+        return info, qtype, raw
+
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """The named tensor as a C-contiguous float32 array (numpy order, outermost first)."""
+        info, qtype, raw = self._checked(name, shape)
         try:
             if qtype in _PLAIN_TYPES:
                 array = raw.view(_PLAIN_TYPES[qtype]).reshape(info.shape).astype(np.float32)
@@ -221,14 +241,26 @@ class GGUFFile:
             ) from exc
         if not np.all(np.isfinite(array)):
             raise ModelLoadError(f"tensor {name!r} in {self.path} holds NaN or infinite values")
-        if name not in self._read:
-            self._read.add(name)
-            self.bytes_read += info.n_bytes
-            if self.on_progress is not None:
-                self.on_progress(self.bytes_read, self.total_bytes)
         return array
+
+    def weight(self, name: str, shape: tuple[int, ...] | None = None, dense: bool = False) -> Weight:
+        """A weight matrix (or a stack of them) for ``x @ Wᵀ``: read in place from the file when
+        a kernel serves its type, else (or with ``dense``) dequantized to float32 here."""
+        info, qtype, raw = self._checked(name, shape)
+        if dense or len(info.shape) < 2 or not kernels.available() or not has_kernel(qtype, info.shape[-1]):
+            if not dense and name not in self.dense_fallbacks and len(info.shape) >= 2:
+                self.dense_fallbacks[name] = qtype.name
+            return DenseWeight(self.tensor(name, shape))
+        rows = raw.reshape(*info.shape[:-1], row_bytes(qtype, info.shape[-1]))
+        return QuantizedWeight(qtype, info.shape, rows)
 
     @functools.cached_property
     def total_bytes(self) -> int:
-        known = GGMLQuantizationType._value2member_map_
-        return sum(info.n_bytes for info in self._tensors.values() if info.type_id in known)
+        return sum(info.n_bytes for info in self._tensors.values() if _known_type(info.type_id) is not None)
+
+
+def _known_type(type_id: int) -> GGMLQuantizationType | None:
+    try:
+        return GGMLQuantizationType(type_id)
+    except ValueError:
+        return None

@@ -21,6 +21,7 @@ from shared.errors import ModelLoadError
 from worker.engine import ops
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kv_cache import KVCache
+from worker.engine.weights import MatmulInput, Weight
 
 
 @dataclass(frozen=True)
@@ -106,32 +107,36 @@ class DecoderModel:
 
     architecture: ClassVar[str]
 
-    def __init__(self, gguf: GGUFFile):
+    def __init__(self, gguf: GGUFFile, exact: bool = False):
         self.path = gguf.path
+        # exact: every weight dequantized to float32 at load and multiplied with BLAS (parity
+        # checks); otherwise weights stay in the file's blocks and int8 kernels multiply them
+        self.exact = exact
         self.hp = self.read_hparams(gguf)
-        self.layers: list[dict[str, np.ndarray]] = []
-        self.token_embd = gguf.tensor("token_embd.weight")
-        if self.token_embd.shape[1] != self.hp.n_embd:
+        self.layers: list[dict[str, Any]] = []
+        self.token_embd = gguf.weight("token_embd.weight", dense=exact)
+        if len(self.token_embd.shape) != 2 or self.token_embd.shape[1] != self.hp.n_embd:
             raise ModelLoadError(
-                f"{gguf.path}: token_embd.weight is {self.token_embd.shape}, expected (*, {self.hp.n_embd})"
-            )
+                f"{gguf.path}: token_embd.weight is {self.token_embd.shape}, expected (*, {self.hp.n_embd})")
         if self.hp.n_vocab != self.token_embd.shape[0]:
             self.hp = replace(self.hp, n_vocab=self.token_embd.shape[0])
         self.output_norm = gguf.tensor("output_norm.weight", (self.hp.n_embd,))
-        # Small models tie the output head to the embedding; the same array serves both.
-        self.output = (gguf.tensor("output.weight", self.token_embd.shape)
+        # Small models tie the output head to the embedding; the same weight serves both.
+        self.output = (self.load_weight(gguf, "output.weight", self.token_embd.shape)
                        if gguf.has_tensor("output.weight") else self.token_embd)
+        self.qk_columns: tuple[np.ndarray, np.ndarray] | None = None  # see load_qkv
         self.layers = [self.load_layer(gguf, i) for i in range(self.hp.n_layer)]
         self.inv_freq = ops.rope_inverse_frequencies(
             self.hp.rope_dims, self.hp.rope_base, self.hp.rope_freq_scale, self.rope_freq_factors(gguf))
         self.attn_scale = 1.0 / float(np.sqrt(self.hp.head_dim))
+        self.dense_fallbacks = dict(gguf.dense_fallbacks)
 
     # --- what an architecture file provides ---------------------------------------------------
 
     def read_hparams(self, gguf: GGUFFile) -> HParams:
         return read_hparams(gguf, self.architecture)
 
-    def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, np.ndarray]:
+    def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, Any]:
         raise NotImplementedError
 
     def block(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
@@ -142,58 +147,65 @@ class DecoderModel:
 
     # --- loading helpers the architecture files share ----------------------------------------
 
-    def load_qkv(self, gguf: GGUFFile, i: int, adjacent_pair_rope: bool = False) -> dict[str, np.ndarray]:
-        """Q, K and V projections stacked into one matrix (one matmul), plus optional biases."""
+    def load_weight(self, gguf: GGUFFile, name: str, shape: tuple[int, ...]) -> Weight:
+        return gguf.weight(name, shape, dense=self.exact)
+
+    def load_qkv(self, gguf: GGUFFile, i: int, adjacent_pair_rope: bool = False) -> dict[str, Any]:
+        """Q, K and V projections (fused in the file or not), optional biases, the output.
+
+        With ``adjacent_pair_rope`` the projected Q and K columns are reordered so that the
+        half-split RoPE of ``attend`` serves (the weights stay as the file has them)."""
         hp = self.hp
         prefix = f"blk.{i}"
         q_rows, k_rows, v_rows = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.n_head_kv * hp.value_dim
         if gguf.has_tensor(f"{prefix}.attn_qkv.weight"):
-            fused = gguf.tensor(f"{prefix}.attn_qkv.weight", (q_rows + k_rows + v_rows, hp.n_embd))
-            wq, wk, wv = np.split(fused, [q_rows, q_rows + k_rows])
+            weights: dict[str, Any] = {
+                "wqkv": self.load_weight(gguf, f"{prefix}.attn_qkv.weight", (q_rows + k_rows + v_rows, hp.n_embd))}
         else:
-            wq = gguf.tensor(f"{prefix}.attn_q.weight", (q_rows, hp.n_embd))
-            wk = gguf.tensor(f"{prefix}.attn_k.weight", (k_rows, hp.n_embd))
-            wv = gguf.tensor(f"{prefix}.attn_v.weight", (v_rows, hp.n_embd))
+            weights = {f"w{n}": self.load_weight(gguf, f"{prefix}.attn_{n}.weight", (rows, hp.n_embd))
+                       for n, rows in zip("qkv", (q_rows, k_rows, v_rows))}
         biases = [gguf.tensor(f"{prefix}.attn_{n}.bias") if gguf.has_tensor(f"{prefix}.attn_{n}.bias")
                   else None for n in "qkv"]
-        if adjacent_pair_rope:
-            wq = ops.adjacent_pairs_to_halves(wq, hp.n_head, hp.head_dim)
-            wk = ops.adjacent_pairs_to_halves(wk, hp.n_head_kv, hp.head_dim)
-            for j, heads in ((0, hp.n_head), (1, hp.n_head_kv)):
-                if biases[j] is not None:
-                    biases[j] = ops.adjacent_pairs_to_halves(biases[j][:, None], heads, hp.head_dim)[:, 0]
-        weights = {"wqkv": np.ascontiguousarray(np.concatenate([wq, wk, wv]))}
         if any(b is not None for b in biases):
-            sizes = (q_rows, k_rows, v_rows)
-            weights["bqkv"] = np.concatenate(
-                [b if b is not None else np.zeros(n, np.float32) for b, n in zip(biases, sizes)])
-        weights["wo"] = gguf.tensor(f"{prefix}.attn_output.weight", (hp.n_embd, hp.n_head * hp.value_dim))
+            weights["bqkv"] = [b if b is not None else np.zeros(n, np.float32)
+                               for b, n in zip(biases, (q_rows, k_rows, v_rows))]
+        if adjacent_pair_rope:
+            self.qk_columns = (ops.adjacent_pairs_to_halves(hp.n_head, hp.head_dim),
+                               ops.adjacent_pairs_to_halves(hp.n_head_kv, hp.head_dim))
+        weights["wo"] = self.load_weight(gguf, f"{prefix}.attn_output.weight", (hp.n_embd, hp.n_head * hp.value_dim))
         return weights
 
-    def load_swiglu(self, gguf: GGUFFile, i: int) -> dict[str, np.ndarray]:
-        """Gate and up stacked into one (2F, D) matrix; down (D, F)."""
+    def load_swiglu(self, gguf: GGUFFile, i: int) -> dict[str, Weight]:
+        """Gate and up (F, D); down (D, F)."""
         hp = self.hp
-        gate = gguf.tensor(f"blk.{i}.ffn_gate.weight", (hp.n_ff, hp.n_embd))
-        up = gguf.tensor(f"blk.{i}.ffn_up.weight", (hp.n_ff, hp.n_embd))
-        return {"gate_up": np.ascontiguousarray(np.concatenate([gate, up])),
-                "down": gguf.tensor(f"blk.{i}.ffn_down.weight", (hp.n_embd, hp.n_ff))}
+        return {"gate": self.load_weight(gguf, f"blk.{i}.ffn_gate.weight", (hp.n_ff, hp.n_embd)),
+                "up": self.load_weight(gguf, f"blk.{i}.ffn_up.weight", (hp.n_ff, hp.n_embd)),
+                "down": self.load_weight(gguf, f"blk.{i}.ffn_down.weight", (hp.n_embd, hp.n_ff))}
 
     def load_norm(self, gguf: GGUFFile, name: str, size: int | None = None) -> np.ndarray:
         return gguf.tensor(name, (size or self.hp.n_embd,))
 
     # --- the shared steps of a block -----------------------------------------------------------
 
-    def project_qkv(self, layer: dict[str, np.ndarray], h: np.ndarray
+    def project_qkv(self, layer: dict[str, Any], h: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """[T, D] -> q [T, H, d], k [T, K, d], v [T, K, dv]."""
         hp = self.hp
-        qkv = ops.linear(h, layer["wqkv"], layer.get("bqkv"))
-        q_end = hp.n_head * hp.head_dim
-        k_end = q_end + hp.n_head_kv * hp.head_dim
         n = h.shape[0]
-        return (qkv[:, :q_end].reshape(n, hp.n_head, hp.head_dim),
-                qkv[:, q_end:k_end].reshape(n, hp.n_head_kv, hp.head_dim),
-                qkv[:, k_end:].reshape(n, hp.n_head_kv, hp.value_dim))
+        inp = MatmulInput(h)  # quantized once for the three projections
+        biases = layer.get("bqkv") or (None, None, None)
+        if "wqkv" in layer:
+            qkv = ops.linear(inp, layer["wqkv"], np.concatenate(biases) if biases[0] is not None else None)
+            q_end = hp.n_head * hp.head_dim
+            k_end = q_end + hp.n_head_kv * hp.head_dim
+            q, k, v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
+        else:
+            q, k, v = (ops.linear(inp, layer[f"w{n}"], b) for n, b in zip("qkv", biases))
+        if self.qk_columns is not None:
+            q, k = q[:, self.qk_columns[0]], k[:, self.qk_columns[1]]
+        return (q.reshape(n, hp.n_head, hp.head_dim),
+                k.reshape(n, hp.n_head_kv, hp.head_dim),
+                v.reshape(n, hp.n_head_kv, hp.value_dim))
 
     def self_attention(self, i: int, h: np.ndarray, fp: ForwardPass, q_norm: np.ndarray | None = None,
                        k_norm: np.ndarray | None = None, window: int | None = None) -> np.ndarray:
@@ -205,7 +217,7 @@ class DecoderModel:
             q = ops.rms_norm(q, q_norm, self.hp.rms_eps)
         if k_norm is not None:
             k = ops.rms_norm(k, k_norm, self.hp.rms_eps)
-        return ops.times_transposed(self.attend(i, q, k, v, fp, window), layer["wo"])
+        return ops.linear(self.attend(i, q, k, v, fp, window), layer["wo"])
 
     def attend(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, fp: ForwardPass,
                window: int | None = None) -> np.ndarray:
@@ -226,7 +238,7 @@ class DecoderModel:
         return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, max_tokens, hp.value_dim)
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
-        return self.token_embd[token_ids]
+        return self.token_embd.rows(token_ids)
 
     def forward(self, steps: list[tuple[KVCache, list[int]]], all_logits: bool = False
                 ) -> list[np.ndarray]:
@@ -263,13 +275,13 @@ class DecoderModel:
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         # rows contiguous again: each sequence's logits are read as one vector
-        return np.ascontiguousarray(ops.times_transposed(ops.rms_norm(x, self.output_norm, self.hp.rms_eps),
-                                                         self.output))
+        return np.ascontiguousarray(ops.linear(ops.rms_norm(x, self.output_norm, self.hp.rms_eps), self.output))
 
     @property
     def weight_bytes(self) -> int:
-        total = self.token_embd.nbytes + self.output_norm.nbytes
-        if self.output is not self.token_embd:
-            total += self.output.nbytes
-        return total + sum(a.nbytes for layer in self.layers for a in layer.values())
-
+        """Bytes of the weights as held: in the file's blocks, or float32 where dequantized."""
+        held = [self.token_embd, self.output_norm] + ([self.output] if self.output is not self.token_embd else [])
+        for layer in self.layers:
+            for value in layer.values():
+                held.extend(value if isinstance(value, list) else [value])
+        return sum(w.nbytes for w in held)

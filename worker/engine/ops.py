@@ -1,6 +1,7 @@
-"""The shared numpy toolkit every architecture file builds its forward pass from.
+"""The shared toolkit every architecture file builds its forward pass from.
 
-Small pure functions on float32 arrays. Shapes in comments use: T tokens, D model width,
+Small functions on float32 arrays; the heavy ones (products with the weights, attention,
+norms, RoPE) call the compiled kernels of ``kernels/``. Shapes in comments use: T tokens, D model width,
 H query heads, K key/value heads, G = H // K query heads per KV head, d head dim, L keys.
 """
 
@@ -10,17 +11,17 @@ import threading
 
 import numpy as np
 
+from worker.engine.kernels import attention, rowwise
+from worker.engine.weights import MatmulInput, Weight
+
+_NO_WEIGHT = np.zeros(0, dtype=np.float32)
+
 
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
     """x / sqrt(mean(x²) + eps) * weight over the last axis."""
-    scale = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + eps)
-    out = x * scale
-    return out * weight if weight is not None else out
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    # x * sigmoid(x), written to stay finite for large negative x
-    return x / (1.0 + np.exp(-x))
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    out = rowwise.rms_norm(rows, _NO_WEIGHT if weight is None else weight, eps, np.empty_like(rows))
+    return out.reshape(x.shape)
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -34,19 +35,9 @@ def log_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
 
 
-def times_transposed(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """x @ Wᵀ for W (n_out, n_in) as GGUF stores it: [T, n_in] -> [T, n_out].
-
-    Computed as (W @ xᵀ)ᵀ, a column-major result: OpenBLAS packs the small operand (the few
-    rows of a decode step) instead of the weight, which makes a step of 2 to 64 rows about
-    twice as fast as x @ Wᵀ on this class of machine and costs nothing at 1 or 512 rows.
-    """
-    return (weight @ x.T).T
-
-
-def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+def linear(x: np.ndarray | MatmulInput, weight: Weight, bias: np.ndarray | None = None) -> np.ndarray:
     """y = x @ Wᵀ (+ b); W is (n_out, n_in) as GGUF stores it. [T, n_in] -> [T, n_out]"""
-    y = times_transposed(x, weight)
+    y = weight.times_transposed(x)
     return y + bias if bias is not None else y
 
 
@@ -73,26 +64,18 @@ def apply_rope_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarr
     x [T, heads, d]; cos/sin [T, n_rot/2]. Architectures whose GGUF uses adjacent-pair
     rotation (llama) have their Q/K rows permuted at load so this one form serves all.
     """
-    half = cos.shape[-1]
-    c = cos[:, None, :]
-    s = sin[:, None, :]
-    x1 = x[..., :half]
-    x2 = x[..., half:2 * half]
-    rotated = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-    if 2 * half == x.shape[-1]:
-        return rotated
-    return np.concatenate([rotated, x[..., 2 * half:]], axis=-1)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return rowwise.rope_halves(x, cos, sin, np.empty_like(x))
 
 
-def adjacent_pairs_to_halves(weight: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
-    """Reorder Q/K projection rows so adjacent-pair RoPE becomes half-split (NEOX) RoPE.
+def adjacent_pairs_to_halves(n_heads: int, head_dim: int) -> np.ndarray:
+    """Column order that turns adjacent-pair RoPE into half-split (NEOX) RoPE.
 
-    Within each head, output dims [0,1,2,3,...] become [0,2,4,...,1,3,5,...]. Q and K get
-    the same permutation, so every q·k dot product, and thus attention, is unchanged.
+    Within each head, output dims [0,1,2,3,...] become [0,2,4,...,1,3,5,...]. Q and K columns
+    get the same order, so every q·k dot product, and thus attention, is unchanged.
     """
     order = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
-    rows = weight.reshape(n_heads, head_dim, -1)[:, order, :]
-    return np.ascontiguousarray(rows.reshape(n_heads * head_dim, -1))
+    return (np.arange(n_heads)[:, None] * head_dim + order[None, :]).reshape(-1)
 
 
 # --- attention -------------------------------------------------------------------------------
@@ -119,25 +102,25 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_
     first_pos + i) sees key j iff j <= first_pos + i and, with a sliding window, iff
     first_pos + i - j < window. Query head h reads KV head h // G. Returns [T, H*dv].
 
-    Queries go in blocks whose scores fit SCORES_BUDGET, computed in place in one reused buffer;
+    Head sizes that are multiples of 8 (values: 16) take the compiled online-softmax kernel
+    (``kernels/attention.py``), whose result for a query does not depend on the other queries
+    of the call, so a prompt's KV is the same computed in one chunk or several. Other sizes
+    take numpy's batched products: queries go in blocks whose scores fit SCORES_BUDGET,
+    computed in place in one reused buffer;
     without a window only the block's last keys can be hidden, so only those are masked. The
     softmax's division is applied to the block's output rows (dv wide) instead of its scores.
     """
     n_tokens, n_head, head_dim = q.shape
     n_kv, n_keys, _ = keys.shape
     value_dim = values.shape[-1]
+    if head_dim % 8 == 0 and value_dim % 16 == 0:
+        out = np.empty((n_tokens, n_head * value_dim), dtype=np.float32)
+        return attention.causal_attention(np.ascontiguousarray(q, dtype=np.float32), keys, values, first_pos,
+                                          np.float32(scale), window or 0, np.float32(softcap or 0.0), out)
     group = n_head // n_kv
     keys_t = keys.transpose(0, 2, 1)
     # the scale (and a softcap's division) go on the queries, far fewer than the scores
     q = q * np.float32(scale if softcap is None else scale / softcap)
-    if n_tokens == 1 and window is None:
-        # a decode step: the one query sees every key. One matrix-vector product per query
-        # head is faster here than [G, d] @ [d, L].
-        scores = np.matmul(q[0].reshape(n_kv, group, 1, head_dim), keys_t[:, None])[:, :, 0]  # [K, G, L]
-        totals = _exp_in_place(scores, softcap)
-        out = np.matmul(scores, values)  # [K, G, dv]
-        out /= totals
-        return out.reshape(1, n_head * value_dim)
     # rows ordered (query, head in group) per KV head, so a block of queries is a row range
     rows = np.ascontiguousarray(q.reshape(n_tokens, n_kv, group, head_dim).transpose(1, 0, 2, 3))
     rows = rows.reshape(n_kv, n_tokens * group, head_dim)
@@ -178,11 +161,18 @@ def _exp_in_place(scores: np.ndarray, softcap: float | None) -> np.ndarray:
 
 # --- feed-forward ----------------------------------------------------------------------------
 
-def swiglu(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray) -> np.ndarray:
-    """down(silu(gate x) * up x) with gate and up stacked into one (2F, D) matrix."""
-    projected = times_transposed(x, gate_up)  # [T, 2F]
-    n_ff = gate_up.shape[0] // 2
-    return times_transposed(silu(projected[:, :n_ff]) * projected[:, n_ff:], down)
+def swiglu(x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
+    """down(silu(gate x) * up x). [T, D] -> [T, D]"""
+    h = MatmulInput(x)  # quantized once for both projections
+    g = linear(h, gate)
+    u = linear(h, up)
+    # silu(g) * u in place: numpy's exp is vectorized, a compiled loop's would call libm per value
+    t = np.negative(g)
+    np.exp(t, out=t)
+    t += 1.0
+    np.divide(g, t, out=t)
+    t *= u
+    return linear(t, down)
 
 
 def moe_route_softmax_topk(router_logits: np.ndarray, n_used: int,
@@ -200,15 +190,16 @@ def moe_route_softmax_topk(router_logits: np.ndarray, n_used: int,
 
 
 def moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray,
-               gate_up_exps: np.ndarray, down_exps: np.ndarray) -> np.ndarray:
+               gate_exps: Weight, up_exps: Weight, down_exps: Weight) -> np.ndarray:
     """Weighted sum of the chosen experts' SwiGLU outputs.
 
-    x [T, D]; experts/weights [T, k]; gate_up_exps [E, 2F, D]; down_exps [E, D, F].
-    Loops over the experts in use (not over tokens): each runs once on its rows.
+    x [T, D]; experts/weights [T, k]; gate_exps, up_exps [E, F, D]; down_exps [E, D, F].
+    Loops over the experts in use (not over tokens): each runs once on its rows, and only
+    their blocks of the stacks are read.
     """
     out = np.zeros_like(x)
     for expert in np.unique(experts):
         rows, slot = np.nonzero(experts == expert)
-        y = swiglu(x[rows], gate_up_exps[expert], down_exps[expert])
+        y = swiglu(x[rows], gate_exps.expert(expert), up_exps.expert(expert), down_exps.expert(expert))
         np.add.at(out, rows, y * weights[rows, slot][:, None])
     return out

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from shared.errors import ModelLoadError
@@ -28,7 +30,7 @@ class LlamaModel(DecoderModel):
             raise ModelLoadError(f"{gguf.path}: llama mixture-of-experts files are not supported")
         return hp
 
-    def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, np.ndarray]:
+    def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, Any]:
         return {
             "attn_norm": self.load_norm(gguf, f"blk.{i}.attn_norm.weight"),
             **self.load_qkv(gguf, i, adjacent_pair_rope=True),
@@ -39,4 +41,4 @@ class LlamaModel(DecoderModel):
     def block(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
         layer, eps = self.layers[i], self.hp.rms_eps
         x = x + self.self_attention(i, ops.rms_norm(x, layer["attn_norm"], eps), fp)
-        return x + ops.swiglu(ops.rms_norm(x, layer["ffn_norm"], eps), layer["gate_up"], layer["down"])
+        return x + ops.swiglu(ops.rms_norm(x, layer["ffn_norm"], eps), layer["gate"], layer["up"], layer["down"])

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from worker.engine import ops
@@ -18,7 +20,7 @@ from worker.engine.model import DecoderModel, ForwardPass
 class Qwen3Model(DecoderModel):
     architecture = "qwen3"
 
-    def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, np.ndarray]:
+    def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, Any]:
         head_dim = self.hp.head_dim
         return {
             "attn_norm": self.load_norm(gguf, f"blk.{i}.attn_norm.weight"),
@@ -34,4 +36,4 @@ class Qwen3Model(DecoderModel):
         # Q/K RMSNorm per head, before RoPE
         x = x + self.self_attention(i, ops.rms_norm(x, layer["attn_norm"], eps), fp,
                                     layer["q_norm"], layer["k_norm"])
-        return x + ops.swiglu(ops.rms_norm(x, layer["ffn_norm"], eps), layer["gate_up"], layer["down"])
+        return x + ops.swiglu(ops.rms_norm(x, layer["ffn_norm"], eps), layer["gate"], layer["up"], layer["down"])

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from shared.errors import ModelLoadError
@@ -27,11 +29,9 @@ class Qwen3MoeModel(DecoderModel):
             hp = replace(hp, n_ff_expert=hp.n_ff // hp.n_expert_used)
         return hp
 
-    def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, np.ndarray]:
+    def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, Any]:
         hp = self.hp
         n_exp, n_ff, n_embd = hp.n_expert, hp.n_ff_expert, hp.n_embd
-        gate = gguf.tensor(f"blk.{i}.ffn_gate_exps.weight", (n_exp, n_ff, n_embd))
-        up = gguf.tensor(f"blk.{i}.ffn_up_exps.weight", (n_exp, n_ff, n_embd))
         return {
             "attn_norm": self.load_norm(gguf, f"blk.{i}.attn_norm.weight"),
             **self.load_qkv(gguf, i),
@@ -39,8 +39,10 @@ class Qwen3MoeModel(DecoderModel):
             "k_norm": self.load_norm(gguf, f"blk.{i}.attn_k_norm.weight", hp.head_dim),
             "ffn_norm": self.load_norm(gguf, f"blk.{i}.ffn_norm.weight"),
             "router": gguf.tensor(f"blk.{i}.ffn_gate_inp.weight", (n_exp, n_embd)),
-            "gate_up_exps": np.ascontiguousarray(np.concatenate([gate, up], axis=1)),
-            "down_exps": gguf.tensor(f"blk.{i}.ffn_down_exps.weight", (n_exp, n_embd, n_ff)),
+            # the experts stay in the file; a step reads only the blocks of those it routes to
+            "gate_exps": self.load_weight(gguf, f"blk.{i}.ffn_gate_exps.weight", (n_exp, n_ff, n_embd)),
+            "up_exps": self.load_weight(gguf, f"blk.{i}.ffn_up_exps.weight", (n_exp, n_ff, n_embd)),
+            "down_exps": self.load_weight(gguf, f"blk.{i}.ffn_down_exps.weight", (n_exp, n_embd, n_ff)),
         }
 
     def block(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
@@ -50,4 +52,4 @@ class Qwen3MoeModel(DecoderModel):
                                     layer["q_norm"], layer["k_norm"])
         h = ops.rms_norm(x, layer["ffn_norm"], eps)
         experts, weights = ops.moe_route_softmax_topk(h @ layer["router"].T, self.hp.n_expert_used, True)
-        return x + ops.moe_swiglu(h, experts, weights, layer["gate_up_exps"], layer["down_exps"])
+        return x + ops.moe_swiglu(h, experts, weights, layer["gate_exps"], layer["up_exps"], layer["down_exps"])

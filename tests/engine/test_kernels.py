@@ -1,0 +1,143 @@
+"""The compiled kernels against the ``gguf`` package's dequantizers, type by type.
+
+Two references for each int8 kernel: the exact product of the dequantized weights with the
+dequantized int8 activations (the kernel must match it to float rounding: this checks the
+block decoding and the integer arithmetic), and the float product with the original
+activations (the gap is the activation rounding, bounded per block). Shapes are odd on
+purpose: output counts that do not split evenly over threads or tiles of four, batches of 1
+to 70 rows (past one 64-row pass), rows of several blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from worker.engine import kernels
+from worker.engine.gguf_file import GGUFFile
+from worker.engine.kernels.activations import QuantizedActivations
+from worker.engine.weights import INT8_KERNELS, DenseWeight, MatmulInput, QuantizedWeight, dequantize
+
+Q = GGMLQuantizationType
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels need AVX2, FMA and F16C")
+
+ROWS = (1, 3, 4, 5, 9, 70)
+
+
+def random_blocks(qtype: Q, n_out: int, n_in: int, rng: np.random.Generator) -> np.ndarray:
+    """Weights of ``qtype``: quantized by the gguf package where it can, else random block
+    bytes whose f16 scales are set to small finite values (the other bytes are all valid)."""
+    values = (rng.standard_normal((n_out, n_in)) * 0.05).astype(np.float32)
+    try:
+        return quants.quantize(values, qtype)
+    except NotImplementedError:
+        pass
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n_out, n_in // block, size), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.02, raw.shape[:2] + (2,)).astype(np.float16).view(np.uint8)
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d and dmin lead the block
+        raw[..., 0:4] = scales
+    elif qtype == Q.Q6_K:  # d ends it
+        raw[..., 208:210] = scales[..., 0:2]
+    return raw.reshape(n_out, -1)
+
+
+def exact_reference(weights: np.ndarray, qtype: Q, acts: QuantizedActivations) -> np.ndarray:
+    """Dequantized weights times dequantized activations, in float64."""
+    dense = quants.dequantize(weights, qtype).astype(np.float64)
+    x = acts.values.astype(np.float64) * np.repeat(acts.scales, 32, axis=1)
+    return x @ dense.T
+
+
+@pytest.mark.parametrize("qtype", sorted(INT8_KERNELS, key=lambda q: q.name), ids=lambda q: q.name)
+def test_int8_kernel_matches_the_dequantized_product(qtype):
+    rng = np.random.default_rng(int(qtype))
+    n_in = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
+    weights = random_blocks(qtype, 37, n_in, rng)
+    weight = QuantizedWeight(qtype, (37, n_in), weights)
+    dense = quants.dequantize(weights, qtype)
+    for m in ROWS:
+        x = rng.standard_normal((m, n_in)).astype(np.float32)
+        inp = MatmulInput(x)
+        got = weight.times_transposed(inp)
+        exact = exact_reference(weights, qtype, inp.quantized)
+        scale = np.abs(exact).max()
+        np.testing.assert_allclose(got, exact, atol=2e-5 * scale, rtol=0)
+        # against the float activations: the int8 rounding of x, at most half a step per value
+        floats = x.astype(np.float64) @ dense.T.astype(np.float64)
+        bound = (0.5 * np.repeat(inp.quantized.scales, 32, axis=1)) @ np.abs(dense.T).astype(np.float64)
+        assert np.all(np.abs(got - floats) <= bound * 1.001 + 1e-4 * scale), f"{qtype.name}, {m} rows"
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda q: q.name)
+def test_float_kernel_matches_numpy(qtype):
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((70, 136)).astype(np.float32)
+    raw = {Q.F32: values, Q.F16: values.astype(np.float16),
+           Q.BF16: (values.view(np.uint32) >> 16).astype(np.uint16)}[qtype]
+    data = raw.view(np.uint8).reshape(70, -1)
+    weight = QuantizedWeight(qtype, (70, 136), data)
+    dense = dequantize(data, qtype, (70, 136))
+    for m in ROWS:
+        x = rng.standard_normal((m, 136)).astype(np.float32)
+        np.testing.assert_allclose(weight.times_transposed(x), x @ dense.T, rtol=1e-4, atol=1e-4)
+
+
+def test_activation_blocks_round_to_the_nearest_step():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 128)).astype(np.float32) * np.array([[1e-3], [1.0], [1e3]], np.float32)
+    x[1, 32:64] = 0.0  # an all-zero block
+    acts = QuantizedActivations(x)
+    steps = np.repeat(acts.scales, 32, axis=1)
+    assert np.abs(acts.values.astype(np.int32)).max() <= 127
+    assert np.all(np.abs(acts.values * steps - x) <= 0.5 * steps * 1.0001 + 1e-12)
+    assert np.all(acts.values[1, 32:64] == 0) and acts.scales[1, 1] == 0
+    np.testing.assert_allclose(acts.sums, acts.scales * acts.values.reshape(3, 4, 32).sum(axis=2), rtol=1e-6)
+
+
+def test_rows_and_experts_read_the_right_blocks():
+    rng = np.random.default_rng(5)
+    stack = np.stack([random_blocks(Q.Q4_K, 24, 256, rng) for _ in range(3)])
+    weight = QuantizedWeight(Q.Q4_K, (3, 24, 256), stack)
+    full = weight.dequantize()
+    assert full.shape == (3, 24, 256)
+    second = weight.expert(1)
+    np.testing.assert_array_equal(second.dequantize(), full[1])
+    np.testing.assert_array_equal(second.rows(np.array([5, 0, 5])), full[1][[5, 0, 5]])
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    dense = DenseWeight(full).expert(1)
+    np.testing.assert_allclose(second.times_transposed(x), dense.times_transposed(x),
+                               atol=0.01 * np.abs(dense.times_transposed(x)).max())
+
+
+def test_weights_are_views_of_the_mapped_file(default_model):
+    gguf = GGUFFile(default_model)
+    weight = gguf.weight("blk.0.ffn_up.weight")
+    assert isinstance(weight, QuantizedWeight) and weight.qtype == Q.Q4_1
+    assert not weight.data.flags.owndata and not weight.data.flags.writeable
+    info = gguf.tensor_info("blk.0.ffn_up.weight")
+    with open(default_model, "rb") as fh:
+        fh.seek(gguf.data_offset(info))
+        assert fh.read(64) == weight.data.reshape(-1)[:64].tobytes()
+    assert isinstance(gguf.weight("blk.0.ffn_up.weight", dense=True), DenseWeight)
+
+
+def test_a_type_without_kernel_is_held_as_float32_and_named(tmp_path):
+    import gguf as gguf_package
+
+    rng = np.random.default_rng(6)
+    raw = random_blocks(Q.Q5_0, 8, 64, rng)  # a block type the kernels do not serve
+    writer = gguf_package.GGUFWriter(str(tmp_path / "q5.gguf"), "llama")
+    writer.add_tensor("w", raw, raw_dtype=Q.Q5_0)
+    writer.add_tensor("v", random_blocks(Q.Q8_0, 8, 64, rng), raw_dtype=Q.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    loaded = GGUFFile(tmp_path / "q5.gguf")
+    fallback = loaded.weight("w")
+    assert isinstance(fallback, DenseWeight)
+    np.testing.assert_array_equal(fallback.values, quants.dequantize(raw, Q.Q5_0))
+    assert isinstance(loaded.weight("v"), QuantizedWeight)
+    assert loaded.dense_fallbacks == {"w": "Q5_0"}

@@ -1,0 +1,43 @@
+"""Compiled kernels (numba) over GGML's block formats: int8 dot products, float lanes.
+
+The kernels are built on the 256-bit operations of ``simd.py`` and need AVX2, FMA and F16C;
+``available()`` says whether this CPU has them (otherwise the engine holds float32 weights and
+multiplies with BLAS). Compiled code is cached on disk (numba's cache, keyed by the CPU), so
+only a process's first start on a machine compiles.
+"""
+
+from __future__ import annotations
+
+import functools
+
+REQUIRED_FEATURES = ("avx2", "fma", "f16c")
+
+
+@functools.cache
+def available() -> bool:
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    from llvmlite import binding
+
+    features = binding.get_host_cpu_features()
+    return all(features.get(name, False) for name in REQUIRED_FEATURES)
+
+
+def set_threads(n: int | None) -> int:
+    """Use n threads in the kernels (None: every core this process may use); returns n.
+
+    BLAS (numpy's products in prefill attention) is held to one thread: its threads spin
+    between calls, and on the cores the kernels' threads need, that halved prefill speed
+    (measured on 2 cores)."""
+    import os
+
+    import numba
+    from threadpoolctl import threadpool_limits
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = max(1, min(n or cores, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    threadpool_limits(limits=1, user_api="blas")
+    return n

@@ -1,0 +1,135 @@
+"""How each GGML block type turns 32 weights into bytes an int8 dot product can take.
+
+Every type here is read in units of 32 consecutive weights of a row: unit ``u`` covers columns
+``32u .. 32u+31``, the same span as one block of the quantized activations (see
+``activations.py``). ``decode_<type>(row, u)`` returns
+
+    (q, pair_scales, scale, offset)
+
+so that the unit's dot product with an activation block (int8 values ``a``, scale ``d_a``, and
+``s_a = d_a * sum(a)``) is
+
+    scale * d_a * Σ_halves pair_scales_h * Σ q_i a_i  +  offset * s_a
+
+``q`` holds unsigned bytes (the weight's integer level), ``pair_scales`` the int16 factor of
+each 16-weight half (ones unless a type scales halves separately), ``scale`` and ``offset``
+the float factors. ``product_<kind>`` computes the integer part. Layouts follow GGML's block
+structs (the ``gguf`` package's dequantizers are the reference the tests compare against).
+"""
+
+from __future__ import annotations
+
+from numba import njit, types
+
+from worker.engine.kernels.simd import (abs_bytes, load_f16, load_i8x16_nibbles, load_i8x32, low_nibbles,
+                                        madd, maddubs, or_bytes, pair_scales_i16, shifted_bits, sign_bytes,
+                                        splat_i16, splat_i8, sub_i16, where_bits)
+
+_inline = dict(inline="always", cache=True)
+
+
+# --- integer products of one unit --------------------------------------------------------------
+
+@njit(**_inline)
+def product_unsigned(q, pair_scales, a):
+    """Σ q·a per 8 lanes, each 16-weight half times its scale (q in 0..63, a int8)."""
+    return madd(maddubs(q, a), pair_scales)
+
+
+@njit(**_inline)
+def product_signed(q, pair_scales, a):
+    """The same for signed weights: |q| × (a with q's sign) keeps maddubs' left side unsigned."""
+    return madd(maddubs(abs_bytes(q), sign_bytes(a, q)), pair_scales)
+
+
+@njit(**_inline)
+def product_offset32(q, pair_scales, a):
+    """Σ (q - 32)·a per half, times the half's scale (Q6_K's levels are centred on 32)."""
+    return madd(sub_i16(maddubs(q, a), maddubs(splat_i8(32), a)), pair_scales)
+
+
+# --- 32-weight blocks -----------------------------------------------------------------------------
+
+@njit(**_inline)
+def decode_q4_0(row, u):
+    # 18 bytes: scale (f16), 16 bytes of nibbles; weight = d * (q - 8)
+    base = u * 18
+    d = load_f16(row, base)
+    return load_i8x16_nibbles(row, base + 2), splat_i16(1), d, -8.0 * d
+
+
+@njit(**_inline)
+def decode_q4_1(row, u):
+    # 20 bytes: scale and minimum (f16), 16 bytes of nibbles; weight = d * q + m
+    base = u * 20
+    return load_i8x16_nibbles(row, base + 4), splat_i16(1), load_f16(row, base), load_f16(row, base + 2)
+
+
+@njit(**_inline)
+def decode_q8_0(row, u):
+    # 34 bytes: scale (f16), 32 signed bytes; weight = d * q
+    base = u * 34
+    return load_i8x32(row, base + 2), splat_i16(1), load_f16(row, base), types.float32(0.0)
+
+
+# --- 256-weight super-blocks (K-quants): eight units each -----------------------------------------
+
+@njit(**_inline)
+def _k_scale_min(row, scales_at, j):
+    """Sub-block j's 6-bit scale and minimum from the 12 packed bytes of Q4_K / Q5_K."""
+    if j < 4:
+        return row[scales_at + j] & 63, row[scales_at + j + 4] & 63
+    high = row[scales_at + j + 4]
+    return ((high & 0x0F) | ((row[scales_at + j - 4] >> 6) << 4),
+            (high >> 4) | ((row[scales_at + j] >> 6) << 4))
+
+
+@njit(**_inline)
+def _k_nibbles(row, nibbles_at, j):
+    """Sub-block j's 32 four-bit levels: each 32 bytes of nibbles hold two sub-blocks, the low
+    nibbles the first, the high nibbles the second."""
+    packed = load_i8x32(row, nibbles_at + (j >> 1) * 32)
+    return low_nibbles(packed) if j & 1 == 0 else shifted_bits(packed, 4, 0x0F)
+
+
+@njit(**_inline)
+def decode_q4_k(row, u):
+    # 144 bytes: d, dmin (f16), 12 bytes of scales/mins, 128 bytes of nibbles
+    base = (u >> 3) * 144
+    j = u & 7
+    scale, minimum = _k_scale_min(row, base + 4, j)
+    return (_k_nibbles(row, base + 16, j), splat_i16(1), load_f16(row, base) * scale,
+            -load_f16(row, base + 2) * minimum)
+
+
+@njit(**_inline)
+def decode_q5_k(row, u):
+    # 176 bytes: d, dmin, 12 bytes of scales/mins, 32 bytes of fifth bits (bit j of byte l is
+    # weight l of sub-block j), then nibbles laid out as in Q4_K
+    base = (u >> 3) * 176
+    j = u & 7
+    scale, minimum = _k_scale_min(row, base + 4, j)
+    q = or_bytes(_k_nibbles(row, base + 48, j), where_bits(load_i8x32(row, base + 16), 1 << j, 16))
+    return q, splat_i16(1), load_f16(row, base) * scale, -load_f16(row, base + 2) * minimum
+
+
+@njit(**_inline)
+def decode_q6_k(row, u):
+    # 210 bytes: 128 bytes of low nibbles, 64 bytes of high bit pairs, 16 int8 scales (one per
+    # 16 weights), d (f16). Each half of 128 weights is four groups of 32: groups 0 and 1 take
+    # the low nibbles of ql[0:32] and ql[32:64], groups 2 and 3 their high nibbles; group k's
+    # high bits are bits 2k, 2k+1 of qh[0:32]. Weight = d * scale * (q - 32).
+    base = (u >> 3) * 210
+    half = (u >> 2) & 1
+    group = u & 3
+    ql = load_i8x32(row, base + half * 64 + (group & 1) * 32)
+    low = low_nibbles(ql) if group < 2 else shifted_bits(ql, 4, 0x0F)
+    high = shifted_bits(load_i8x32(row, base + 128 + half * 32), 2 * group - 4, 0x30)
+    scales_at = base + 192 + half * 8 + group * 2
+    pair = pair_scales_i16(_signed_byte(row[scales_at]), _signed_byte(row[scales_at + 1]))
+    return or_bytes(low, high), pair, load_f16(row, base + 208), types.float32(0.0)
+
+
+@njit(**_inline)
+def _signed_byte(value):
+    return value - 256 if value >= 128 else value

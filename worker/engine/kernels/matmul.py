@@ -1,0 +1,139 @@
+"""y = x Wᵀ with W in its file's block format, for m rows of x at once.
+
+A row's result never depends on the rows beside it: the tiled and the single-row loops add in
+the same order, so a stream's output is bit-identical alone and in a batch (int8 rounding
+would turn the smallest difference into a visible one). Each thread takes a range of W's rows
+(outputs); each weight unit is decoded once and
+multiplied with four rows of x before the next is read, so a batch of up to 64 rows reads the
+weights once, as one row does (a longer prefill chunk reads them once per 64 rows, from cache). Integer products accumulate per unit into eight float lanes that are
+summed once per output.
+
+``matmul_int8`` serves every type of ``blocks.py`` (x quantized per block to int8);
+``matmul_float`` the float types (F32, F16, BF16), with x as float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from worker.engine.kernels import blocks
+from worker.engine.kernels.simd import (fmadd, load_bf16x8, load_f16x8, load_f32x8, load_f32x8_at,
+                                        load_i8x32, splat_f32, sum_f32, to_f32, zeros_f32)
+
+TILE = 4  # rows of x per pass over a weight row
+CHUNK = 64  # rows of x per pass over the weights: their int8 values stay in the core's cache
+
+
+@njit(inline="always", cache=True)
+def _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r, acc, low):
+    """Add one decoded weight unit (u) times the same unit of activation row r."""
+    integer = to_f32(product(q, pair_scales, load_i8x32(values[r], u * 32)))
+    return fmadd(splat_f32(scale * scales[r, u]), integer, acc), low + offset * sums[r, u]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def matmul_int8(decode, product, weights, values, scales, sums, out):
+    """weights [n_out, row bytes] uint8; values [m, n] int8; scales, sums [m, n/32]; out [m, n_out]."""
+    m = values.shape[0]
+    units = values.shape[1] // 32
+    for first in range(0, m, CHUNK):
+        last = min(m, first + CHUNK)
+        tiled = last - (last - first) % TILE
+        for o in prange(weights.shape[0]):
+            row = weights[o]
+            for r in range(first, tiled, TILE):
+                a0, a1, a2, a3 = zeros_f32(), zeros_f32(), zeros_f32(), zeros_f32()
+                l0 = l1 = l2 = l3 = np.float32(0.0)
+                for u in range(units):
+                    q, pair_scales, scale, offset = decode(row, u)
+                    a0, l0 = _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r, a0, l0)
+                    a1, l1 = _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r + 1, a1, l1)
+                    a2, l2 = _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r + 2, a2, l2)
+                    a3, l3 = _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r + 3, a3, l3)
+                out[r, o] = sum_f32(a0) + l0
+                out[r + 1, o] = sum_f32(a1) + l1
+                out[r + 2, o] = sum_f32(a2) + l2
+                out[r + 3, o] = sum_f32(a3) + l3
+            for r in range(tiled, last):
+                acc = zeros_f32()
+                low = np.float32(0.0)
+                for u in range(units):
+                    q, pair_scales, scale, offset = decode(row, u)
+                    acc, low = _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r, acc, low)
+                out[r, o] = sum_f32(acc) + low
+    return out
+
+
+F32, F16, BF16 = 0, 1, 2  # the float kinds of ``matmul_float``
+
+
+@njit(inline="always", cache=True)
+def _float_weights(kind, row, e):
+    """Weights e..e+7 of a row of float kind ``kind`` as 8 float32."""
+    if kind == F32:
+        return load_f32x8_at(row, 4 * e)
+    if kind == F16:
+        return load_f16x8(row, 2 * e)
+    return load_bf16x8(row, 2 * e)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def matmul_float(kind, weights, x, out):
+    """weights [n_out, row bytes] uint8 holding n floats of ``kind`` per row; x [m, n] float32
+    (n % 8 == 0). The kind's branch is the same for every weight, so it costs nothing."""
+    m, n = x.shape
+    tiled = m - m % TILE
+    for o in prange(weights.shape[0]):
+        row = weights[o]
+        for r in range(0, tiled, TILE):
+            a0, a1, a2, a3 = zeros_f32(), zeros_f32(), zeros_f32(), zeros_f32()
+            for e in range(0, n, 8):
+                w = _float_weights(kind, row, e)
+                a0 = fmadd(w, load_f32x8(x[r], e), a0)
+                a1 = fmadd(w, load_f32x8(x[r + 1], e), a1)
+                a2 = fmadd(w, load_f32x8(x[r + 2], e), a2)
+                a3 = fmadd(w, load_f32x8(x[r + 3], e), a3)
+            out[r, o] = sum_f32(a0)
+            out[r + 1, o] = sum_f32(a1)
+            out[r + 2, o] = sum_f32(a2)
+            out[r + 3, o] = sum_f32(a3)
+        for r in range(tiled, m):
+            acc = zeros_f32()
+            for e in range(0, n, 8):
+                acc = fmadd(_float_weights(kind, row, e), load_f32x8(x[r], e), acc)
+            out[r, o] = sum_f32(acc)
+    return out
+
+
+# One entry point per type: a kernel handed its decoder at call time would pay numba's typing
+# of a function argument on every call (about 0.1 ms, more than a small matmul takes).
+
+@njit(cache=True)
+def matmul_q4_0(weights, values, scales, sums, out):
+    return matmul_int8(blocks.decode_q4_0, blocks.product_unsigned, weights, values, scales, sums, out)
+
+
+@njit(cache=True)
+def matmul_q4_1(weights, values, scales, sums, out):
+    return matmul_int8(blocks.decode_q4_1, blocks.product_unsigned, weights, values, scales, sums, out)
+
+
+@njit(cache=True)
+def matmul_q8_0(weights, values, scales, sums, out):
+    return matmul_int8(blocks.decode_q8_0, blocks.product_signed, weights, values, scales, sums, out)
+
+
+@njit(cache=True)
+def matmul_q4_k(weights, values, scales, sums, out):
+    return matmul_int8(blocks.decode_q4_k, blocks.product_unsigned, weights, values, scales, sums, out)
+
+
+@njit(cache=True)
+def matmul_q5_k(weights, values, scales, sums, out):
+    return matmul_int8(blocks.decode_q5_k, blocks.product_unsigned, weights, values, scales, sums, out)
+
+
+@njit(cache=True)
+def matmul_q6_k(weights, values, scales, sums, out):
+    return matmul_int8(blocks.decode_q6_k, blocks.product_offset32, weights, values, scales, sums, out)

@@ -1,0 +1,351 @@
+"""Short SIMD vectors for numba kernels: 256-bit types and the AVX2 operations on them.
+
+numba has no vector types, so this module declares four (32 × int8, 16 × int16, 8 × int32 and
+8 × float32), each lowered to the LLVM vector type of the same shape, and the handful of
+operations the block-quantized dot products need. Kernels written with them read like their
+C counterparts while staying Python; LLVM keeps the values in registers.
+
+The integer products are the two AVX2 multiply-adds every int8 dot product on x86 is built
+from: ``maddubs`` (32 unsigned bytes × 32 signed bytes → 16 saturating int16 pair sums) and
+``madd`` (16 × 16 int16 → 8 int32 pair sums). Callers must only compile these kernels where
+the CPU has AVX2 (``cpu.has_avx2``): elsewhere the engine takes its portable path.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+
+class Vector(types.Type):
+    """A 256-bit vector of ``lanes`` elements of ``element`` (an LLVM type name)."""
+
+    def __init__(self, element: str, lanes: int):
+        self.element = element
+        self.lanes = lanes
+        super().__init__(name=f"vector<{lanes} x {element}>")
+
+    def llvm_type(self) -> ir.VectorType:
+        element = ir.FloatType() if self.element == "float" else ir.IntType(int(self.element[1:]))
+        return ir.VectorType(element, self.lanes)
+
+
+I8x32 = Vector("i8", 32)
+I16x16 = Vector("i16", 16)
+I32x8 = Vector("i32", 8)
+F32x8 = Vector("float", 8)
+
+
+@register_model(Vector)
+class _VectorModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, fe_type.llvm_type())
+
+
+def _call(builder: ir.IRBuilder, name: str, result: ir.Type, args: list) -> ir.Value:
+    """Call an LLVM intrinsic (declared on first use in the module)."""
+    module = builder.module
+    fn = module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(module, ir.FunctionType(result, [a.type for a in args]), name=name)
+    return builder.call(fn, args)
+
+
+def _broadcast(builder: ir.IRBuilder, scalar: ir.Value, vector_type: ir.VectorType) -> ir.Value:
+    """``scalar`` (an integer of any width, or a float) in every lane of ``vector_type``."""
+    element = vector_type.element
+    if isinstance(element, ir.IntType) and scalar.type.width != element.width:
+        scalar = (builder.trunc if scalar.type.width > element.width else builder.sext)(scalar, element)
+    elif isinstance(element, ir.FloatType) and scalar.type != element:
+        scalar = builder.fptrunc(scalar, element)
+    first = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
+    lanes = ir.Constant(ir.VectorType(ir.IntType(32), vector_type.count), [0] * vector_type.count)
+    return builder.shuffle_vector(first, first, lanes)
+
+
+def _address(context, builder, array_type, array, byte_offset):
+    """An i8* to byte ``byte_offset`` of a contiguous array's data."""
+    data = cgutils.create_struct_proxy(array_type)(context, builder, value=array).data
+    raw = builder.bitcast(data, ir.IntType(8).as_pointer())
+    return builder.gep(raw, [byte_offset])
+
+
+def _load(builder, address, vector_type: ir.Type) -> ir.Value:
+    return builder.load(builder.bitcast(address, vector_type.as_pointer()), align=1)
+
+
+# --- loads ------------------------------------------------------------------------------------
+
+@intrinsic
+def load_i8x32(typingctx, array, byte_offset):
+    """32 bytes of ``array`` from ``byte_offset`` (no alignment needed)."""
+    def codegen(context, builder, sig, args):
+        address = _address(context, builder, sig.args[0], args[0], args[1])
+        return _load(builder, address, I8x32.llvm_type())
+    return I8x32(array, byte_offset), codegen
+
+
+@intrinsic
+def load_i8x16_nibbles(typingctx, array, byte_offset):
+    """16 bytes holding 32 four-bit values → 32 bytes 0..15: the low nibbles of the 16 bytes
+    first, then their high nibbles (the order of GGML's 4-bit blocks)."""
+    def codegen(context, builder, sig, args):
+        address = _address(context, builder, sig.args[0], args[0], args[1])
+        low16 = _load(builder, address, ir.VectorType(ir.IntType(8), 16))
+        # the high nibbles shifted down four bits, in 16-bit lanes (x86 has no byte shift)
+        words = builder.bitcast(low16, ir.VectorType(ir.IntType(16), 8))
+        high16 = builder.bitcast(builder.lshr(words, ir.Constant(words.type, [4] * 8)), low16.type)
+        both = builder.shuffle_vector(low16, high16, ir.Constant(ir.VectorType(ir.IntType(32), 32),
+                                                                 list(range(32))))
+        return builder.and_(both, ir.Constant(both.type, [0x0F] * 32))
+    return I8x32(array, byte_offset), codegen
+
+
+@intrinsic
+def load_f16(typingctx, array, byte_offset):
+    """The IEEE half at ``byte_offset`` of ``array`` as a float32."""
+    def codegen(context, builder, sig, args):
+        address = _address(context, builder, sig.args[0], args[0], args[1])
+        half = builder.load(builder.bitcast(address, ir.HalfType().as_pointer()), align=1)
+        return builder.fpext(half, ir.FloatType())
+    return types.float32(array, byte_offset), codegen
+
+
+@intrinsic
+def load_f32x8(typingctx, array, element_offset):
+    """8 float32 of a float32 array from element ``element_offset``."""
+    def codegen(context, builder, sig, args):
+        data = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0]).data
+        address = builder.bitcast(builder.gep(data, [args[1]]), F32x8.llvm_type().as_pointer())
+        return builder.load(address, align=4)
+    return F32x8(array, element_offset), codegen
+
+
+@intrinsic
+def store_f32x8(typingctx, array, element_offset, value):
+    """Write 8 float32 into a float32 array from element ``element_offset``."""
+    def codegen(context, builder, sig, args):
+        data = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0]).data
+        address = builder.bitcast(builder.gep(data, [args[1]]), F32x8.llvm_type().as_pointer())
+        builder.store(args[2], address, align=4)
+        return context.get_dummy_value()
+    return types.none(array, element_offset, F32x8), codegen
+
+
+@intrinsic
+def load_f32x8_at(typingctx, array, byte_offset):
+    """8 float32 from ``byte_offset`` of a byte array."""
+    def codegen(context, builder, sig, args):
+        address = _address(context, builder, sig.args[0], args[0], args[1])
+        return _load(builder, address, F32x8.llvm_type())
+    return F32x8(array, byte_offset), codegen
+
+
+@intrinsic
+def load_f16x8(typingctx, array, byte_offset):
+    """8 IEEE halves from ``byte_offset`` as 8 float32."""
+    def codegen(context, builder, sig, args):
+        address = _address(context, builder, sig.args[0], args[0], args[1])
+        halves = _load(builder, address, ir.VectorType(ir.HalfType(), 8))
+        return builder.fpext(halves, F32x8.llvm_type())
+    return F32x8(array, byte_offset), codegen
+
+
+@intrinsic
+def load_bf16x8(typingctx, array, byte_offset):
+    """8 bfloat16 from ``byte_offset`` as 8 float32 (a bfloat16 is a float32's high half)."""
+    def codegen(context, builder, sig, args):
+        address = _address(context, builder, sig.args[0], args[0], args[1])
+        words = _load(builder, address, ir.VectorType(ir.IntType(16), 8))
+        wide = builder.zext(words, I32x8.llvm_type())
+        shifted = builder.shl(wide, ir.Constant(wide.type, [16] * 8))
+        return builder.bitcast(shifted, F32x8.llvm_type())
+    return F32x8(array, byte_offset), codegen
+
+
+# --- integer products -------------------------------------------------------------------------
+
+@intrinsic
+def maddubs(typingctx, unsigned_bytes, signed_bytes):
+    """u8 × s8 products summed in adjacent pairs → 16 int16 (saturating)."""
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", I16x16.llvm_type(), list(args))
+    return I16x16(I8x32, I8x32), codegen
+
+
+@intrinsic
+def madd(typingctx, a, b):
+    """int16 × int16 products summed in adjacent pairs → 8 int32."""
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.x86.avx2.pmadd.wd", I32x8.llvm_type(), list(args))
+    return I32x8(I16x16, I16x16), codegen
+
+
+@intrinsic
+def sign_bytes(typingctx, a, b):
+    """a with each byte negated where b's is negative and zeroed where b's is zero."""
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.x86.avx2.psign.b", I8x32.llvm_type(), list(args))
+    return I8x32(I8x32, I8x32), codegen
+
+
+@intrinsic
+def abs_bytes(typingctx, a):
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.abs.v32i8", I8x32.llvm_type(), [args[0], ir.Constant(ir.IntType(1), 0)])
+    return I8x32(I8x32), codegen
+
+
+@intrinsic
+def sub_i16(typingctx, a, b):
+    def codegen(context, builder, sig, args):
+        return builder.sub(args[0], args[1])
+    return I16x16(I16x16, I16x16), codegen
+
+
+@intrinsic
+def or_bytes(typingctx, a, b):
+    def codegen(context, builder, sig, args):
+        return builder.or_(args[0], args[1])
+    return I8x32(I8x32, I8x32), codegen
+
+
+def _byte_constant(value) -> ir.Constant:
+    return ir.Constant(I8x32.llvm_type(), [value] * 32)
+
+
+@intrinsic
+def low_nibbles(typingctx, a):
+    """The low four bits of each byte."""
+    def codegen(context, builder, sig, args):
+        return builder.and_(args[0], _byte_constant(0x0F))
+    return I8x32(I8x32), codegen
+
+
+@intrinsic
+def shifted_bits(typingctx, a, shift, mask):
+    """(a >> shift) & mask per byte for shift >= 0, (a << -shift) & mask for shift < 0; the mask
+    must drop the bits a 16-bit shift carries over from the neighbouring byte."""
+    def codegen(context, builder, sig, args):
+        words = builder.bitcast(args[0], I16x16.llvm_type())
+        amounts = _broadcast(builder, args[1], I16x16.llvm_type())
+        negative = builder.icmp_signed("<", args[1], ir.Constant(args[1].type, 0))
+        right = builder.lshr(words, amounts)
+        left = builder.shl(words, builder.sub(ir.Constant(words.type, [0] * 16), amounts))
+        moved = builder.bitcast(builder.select(negative, left, right), I8x32.llvm_type())
+        return builder.and_(moved, _broadcast(builder, args[2], I8x32.llvm_type()))
+    return I8x32(I8x32, shift, mask), codegen
+
+
+@intrinsic
+def where_bits(typingctx, a, bit, value):
+    """``value`` in each byte of a whose ``bit`` (a mask) is set, else 0."""
+    def codegen(context, builder, sig, args):
+        lanes = I8x32.llvm_type()
+        bits = _broadcast(builder, args[1], lanes)
+        is_set = builder.icmp_unsigned("!=", builder.and_(args[0], bits), ir.Constant(lanes, [0] * 32))
+        return builder.select(is_set, _broadcast(builder, args[2], lanes), ir.Constant(lanes, [0] * 32))
+    return I8x32(I8x32, bit, value), codegen
+
+
+@intrinsic
+def splat_i16(typingctx, value):
+    """16 copies of an integer (as int16)."""
+    def codegen(context, builder, sig, args):
+        return _broadcast(builder, args[0], I16x16.llvm_type())
+    return I16x16(value), codegen
+
+
+@intrinsic
+def splat_i8(typingctx, value):
+    """32 copies of an integer (as a byte)."""
+    def codegen(context, builder, sig, args):
+        return _broadcast(builder, args[0], I8x32.llvm_type())
+    return I8x32(value), codegen
+
+
+@intrinsic
+def pair_scales_i16(typingctx, low, high):
+    """16 int16: ``low`` in the lanes of bytes 0..15 of a 32-byte product, ``high`` in those of
+    bytes 16..31 (for blocks whose 16-value halves carry their own scales)."""
+    def codegen(context, builder, sig, args):
+        lanes = I16x16.llvm_type()
+        vector = ir.Constant(lanes, ir.Undefined)
+        values = [builder.trunc(a, ir.IntType(16)) if a.type.width > 16 else
+                  builder.sext(a, ir.IntType(16)) if a.type.width < 16 else a for a in args]
+        for lane in range(16):
+            vector = builder.insert_element(vector, values[lane // 8], ir.Constant(ir.IntType(32), lane))
+        return vector
+    return I16x16(low, high), codegen
+
+
+# --- float lanes --------------------------------------------------------------------------------
+
+@intrinsic
+def zeros_f32(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(F32x8.llvm_type(), [0.0] * 8)
+    return F32x8(), codegen
+
+
+@intrinsic
+def splat_f32(typingctx, value):
+    """8 copies of a float."""
+    def codegen(context, builder, sig, args):
+        return _broadcast(builder, args[0], F32x8.llvm_type())
+    return F32x8(value), codegen
+
+
+@intrinsic
+def to_f32(typingctx, a):
+    """8 int32 → 8 float32."""
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(args[0], F32x8.llvm_type())
+    return F32x8(I32x8), codegen
+
+
+@intrinsic
+def fmadd(typingctx, a, b, c):
+    """a * b + c, fused."""
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.fma.v8f32", F32x8.llvm_type(), list(args))
+    return F32x8(F32x8, F32x8, F32x8), codegen
+
+
+@intrinsic
+def sum_f32(typingctx, a):
+    """The sum of the 8 lanes."""
+    def codegen(context, builder, sig, args):
+        total = builder.extract_element(args[0], ir.Constant(ir.IntType(32), 0))
+        for lane in range(1, 8):
+            total = builder.fadd(total, builder.extract_element(args[0], ir.Constant(ir.IntType(32), lane)))
+        return total
+    return types.float32(F32x8), codegen
+
+
+@intrinsic
+def sum_pairs_f32(typingctx, a):
+    """The sum of the 8 lanes as ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)): independent adds."""
+    def codegen(context, builder, sig, args):
+        lane = [builder.extract_element(args[0], ir.Constant(ir.IntType(32), i)) for i in range(8)]
+        quads = [builder.fadd(builder.fadd(lane[i], lane[i + 1]), builder.fadd(lane[i + 2], lane[i + 3]))
+                 for i in (0, 4)]
+        return builder.fadd(quads[0], quads[1])
+    return types.float32(F32x8), codegen
+
+
+@intrinsic
+def sums8_f32(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
+    """The lane sums of eight vectors as one vector, each added as ``sum_pairs_f32`` adds."""
+    def codegen(context, builder, sig, args):
+        def hadd(x, y):
+            return _call(builder, "llvm.x86.avx.hadd.ps.256", F32x8.llvm_type(), [x, y])
+        quad_low = hadd(hadd(args[0], args[1]), hadd(args[2], args[3]))
+        quad_high = hadd(hadd(args[4], args[5]), hadd(args[6], args[7]))
+        index = ir.VectorType(ir.IntType(32), 8)
+        low_halves = builder.shuffle_vector(quad_low, quad_high, ir.Constant(index, [0, 1, 2, 3, 8, 9, 10, 11]))
+        high_halves = builder.shuffle_vector(quad_low, quad_high, ir.Constant(index, [4, 5, 6, 7, 12, 13, 14, 15]))
+        return builder.fadd(low_halves, high_halves)
+    return F32x8(F32x8, F32x8, F32x8, F32x8, F32x8, F32x8, F32x8, F32x8), codegen
