@@ -856,18 +856,22 @@ async def run_server_repeat(base_url: str, work: Workload, repeat: int, sampler:
             system, tools, messages = work.claude_code(repeat)
             await settle()
             ttfts, rates, cached = [], [], []
-            for turn in range(plan.cc_turns):
-                body = {"model": model, "max_tokens": plan.cc_tokens, "stream": True, "temperature": 0,
-                        "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
-                        "tools": tools, "messages": messages}
-                (r,), _ = await run_batch(client, base_url, "/v1/messages", [body])
-                ttfts.append(r.ttft)
-                rates.append(r.decode_rate())
-                cached.append(r.cached_tokens)
-                if turn == 0:
-                    figs.checks["claude-code prompt tokens"] = r.prompt_tokens
-                messages = messages + [{"role": "assistant", "content": r.text or "(no text)"},
-                                       {"role": "user", "content": prose(random.Random(turn), 4)}]
+            try:
+                for turn in range(plan.cc_turns):
+                    body = {"model": model, "max_tokens": plan.cc_tokens, "stream": True, "temperature": 0,
+                            "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+                            "tools": tools, "messages": messages}
+                    (r,), _ = await run_batch(client, base_url, "/v1/messages", [body])
+                    ttfts.append(r.ttft)
+                    rates.append(r.decode_rate())
+                    cached.append(r.cached_tokens)
+                    if turn == 0:
+                        figs.checks["claude-code prompt tokens"] = r.prompt_tokens
+                    messages = messages + [{"role": "assistant", "content": r.text or "(no text)"},
+                                           {"role": "user", "content": prose(random.Random(turn), 4)}]
+            except httpx.HTTPError as exc:  # a server that dies mid-session fails this scenario only
+                figs.checks["claude-code"] = f"failed at turn {len(ttfts) + 1}: {type(exc).__name__}: {exc}"
+                return figs
             figs.values["claude-code|ttft first"] = _ms(ttfts[0])
             figs.values["claude-code|ttft later"] = _ms(_median(ttfts[1:]))
             figs.values["claude-code|decode"] = _median(rates)
@@ -1100,7 +1104,9 @@ def main(argv: list[str] | None = None) -> int:
             loads[name].append({**load, "other_cores_before": before} if before is not None else load)
             per_server[name].append(figs)
             if "claude-code" in figs.checks:
-                notes.setdefault(name, {})["claude-code"] = "not served (no /v1/messages)"
+                failed = str(figs.checks["claude-code"]).startswith("failed")
+                notes.setdefault(name, {})["claude-code"] = (figs.checks["claude-code"] if failed
+                                                             else "not served (no /v1/messages)")
                 notes[name]["memory"] = "n/a"
             if "other_cores" in load:
                 print(f"bench.serve:   other processes used {load['other_cores']:.2f} cores on average",

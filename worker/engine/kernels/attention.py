@@ -30,8 +30,8 @@ QUERY_BLOCK = 8
 @intrinsic
 def _float_from_bits(typingctx, bits):
     def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.trunc(args[0], ir.IntType(32)), ir.FloatType())
-    return types.float32(types.int64), codegen
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
 
 
 @njit(inline="always", fastmath=True, cache=True)
@@ -50,7 +50,8 @@ def exp_nonpositive(x):
     p = p * f + np.float32(2.4022651e-1)
     p = p * f + np.float32(6.9314718e-1)
     p = p * f + np.float32(1.0)
-    return p * _float_from_bits((np.int64(n) + 127) << 23)
+    # int32 throughout: AVX2 converts 8 floats to int32 at once, but not to int64
+    return p * _float_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
 @njit(inline="always", cache=True)
@@ -169,9 +170,21 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
         acc = np.zeros((rows, value_dim), dtype=np.float32)
         running_max = np.full(rows, -np.inf, dtype=np.float32)
         running_sum = np.zeros(rows, dtype=np.float32)
+        block_max = np.empty(rows, dtype=np.float32)
         lowest = max(0, first_pos + t0 - window + 1) if window > 0 else 0
         last = first_pos + t1 - 1
         for start in range(lowest - lowest % KEY_BLOCK, last + 1, KEY_BLOCK):
+            # three passes over the task's rows, so that the key block, then the value block,
+            # stays in the L1 cache while every row reads it
+            for t in range(t0, t1):
+                pos = first_pos + t
+                lo = max(start, pos - window + 1) if window > 0 else start
+                hi = min(start + KEY_BLOCK, pos + 1)
+                for g in range(group):
+                    row = (t - t0) * group + g
+                    if lo < hi:
+                        block_max[row] = _scores(q, t, kv * group + g, keys, kv, lo, hi, start, scale, softcap,
+                                                 scores, row)
             for t in range(t0, t1):
                 pos = first_pos + t
                 lo = max(start, pos - window + 1) if window > 0 else start
@@ -180,8 +193,7 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
                     continue
                 for g in range(group):
                     row = (t - t0) * group + g
-                    block_max = _scores(q, t, kv * group + g, keys, kv, lo, hi, start, scale, softcap, scores, row)
-                    new_max = max(running_max[row], block_max)
+                    new_max = max(running_max[row], block_max[row])
                     correction = exp_nonpositive(running_max[row] - new_max)
                     running_max[row] = new_max
                     total = np.float32(0.0)
@@ -192,7 +204,14 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
                     running_sum[row] = running_sum[row] * correction + total
                     for i in range(value_dim):
                         acc[row, i] *= correction
-                    _add_values(values, kv, lo, hi, start, scores, row, acc)
+            for t in range(t0, t1):
+                pos = first_pos + t
+                lo = max(start, pos - window + 1) if window > 0 else start
+                hi = min(start + KEY_BLOCK, pos + 1)
+                if lo >= hi:
+                    continue
+                for g in range(group):
+                    _add_values(values, kv, lo, hi, start, scores, (t - t0) * group + g, acc)
         for t in range(t0, t1):
             for g in range(group):
                 row = (t - t0) * group + g
