@@ -96,6 +96,9 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
                         "not fit in half of the memory available)")
     p.add_argument("--threads", type=int, default=0,
                    help="threads of the compute kernels (0: every core this process may use)")
+    p.add_argument("--experts", choices=("borrow",), default="borrow",
+                   help="how mixture-of-experts weights are held: 'borrow' (the only mode) reads them "
+                        "in place from the memory-mapped file, only the routed experts' blocks")
     p.add_argument("--queue", type=int, default=16, help="max queued requests before 429")
     p.add_argument("--batch", type=int, default=1,
                    help="lockstep-decode up to N requests together (raises --kv-slots to N)")

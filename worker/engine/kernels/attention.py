@@ -54,6 +54,16 @@ def exp_nonpositive(x):
     return p * _float_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
+@njit(fastmath=False, cache=True)
+def _ordered_sum(values, first, end):
+    """values[first:end] added left to right. Not fast-math: a vectorized sum's order would
+    depend on the row's address in memory, and so on which rows share the call."""
+    total = np.float32(0.0)
+    for j in range(first, end):
+        total += values[j]
+    return total
+
+
 @njit(inline="always", cache=True)
 def _dot(query, key, head_dim):
     acc = zeros_f32()
@@ -196,12 +206,10 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
                     new_max = max(running_max[row], block_max[row])
                     correction = exp_nonpositive(running_max[row] - new_max)
                     running_max[row] = new_max
-                    total = np.float32(0.0)
                     for j in range(lo - start, hi - start):
-                        p = exp_nonpositive(scores[row, j] - new_max)
-                        scores[row, j] = p
-                        total += p
-                    running_sum[row] = running_sum[row] * correction + total
+                        scores[row, j] = exp_nonpositive(scores[row, j] - new_max)
+                    running_sum[row] = running_sum[row] * correction + _ordered_sum(scores[row], lo - start,
+                                                                                   hi - start)
                     for i in range(value_dim):
                         acc[row, i] *= correction
             for t in range(t0, t1):

@@ -10,9 +10,12 @@ import numpy as np
 from numba import njit
 
 
-@njit(fastmath=True, cache=True)
+@njit(cache=True)
 def rms_norm(x, weight, eps, out):
-    """out = x / sqrt(mean(x²) + eps) * weight per row; x, out [m, n], weight [n] or [0] (none)."""
+    """out = x / sqrt(mean(x²) + eps) * weight per row; x, out [m, n], weight [n] or [0] (none).
+
+    Not fast-math: the sum of squares adds left to right, so a row gets the same bits wherever
+    it sits in memory (a vectorized sum's order depends on the row's alignment)."""
     m, n = x.shape
     for r in range(m):
         total = np.float32(0.0)
