@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker.engine import ops
+from worker.engine import kernels, ops
 from worker.engine.kernels import attention
 
 
@@ -60,6 +60,10 @@ def test_blocked_attention_matches_the_reference(monkeypatch, n_tokens, first_po
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the compiled kernels need AVX2, FMA and F16C")
+
+
+@needs_kernels
 @pytest.mark.parametrize("n_tokens, first_pos, window, softcap, head_dim, value_dim", [
     (1, 0, None, None, 64, 64),        # the first token
     (1, 150, None, None, 64, 64),      # a decode step over three key blocks
@@ -83,6 +87,7 @@ def test_compiled_attention_matches_the_reference(n_tokens, first_pos, window, s
     np.testing.assert_array_equal(ops.causal_attention(q, keys, values, first_pos, 0.2, window, softcap), got)
 
 
+@needs_kernels
 def test_a_query_gets_the_same_bits_in_any_chunk():
     """What a query computes depends on its position and the cache only: a prompt attended in
     one call, in uneven chunks, or a token at a time gives identical rows."""
@@ -98,6 +103,7 @@ def test_a_query_gets_the_same_bits_in_any_chunk():
         np.testing.assert_array_equal(np.concatenate(parts), whole)
 
 
+@needs_kernels
 def test_exp_nonpositive_is_close_to_numpy():
     x = -np.concatenate([np.linspace(0, 90, 100_001), [1e-9, 0.5, 86.9]]).astype(np.float32)
     got = np.array([attention.exp_nonpositive(np.float32(v)) for v in x[::97]], dtype=np.float64)

@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 
+from worker.engine import kernels
 from worker.engine.kernels import attention, rowwise
 from worker.engine.weights import MatmulInput, Weight
 
@@ -102,18 +103,18 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_
     first_pos + i) sees key j iff j <= first_pos + i and, with a sliding window, iff
     first_pos + i - j < window. Query head h reads KV head h // G. Returns [T, H*dv].
 
-    Head sizes that are multiples of 8 (values: 16) take the compiled online-softmax kernel
-    (``kernels/attention.py``), whose result for a query does not depend on the other queries
-    of the call, so a prompt's KV is the same computed in one chunk or several. Other sizes
-    take numpy's batched products: queries go in blocks whose scores fit SCORES_BUDGET,
-    computed in place in one reused buffer;
-    without a window only the block's last keys can be hidden, so only those are masked. The
-    softmax's division is applied to the block's output rows (dv wide) instead of its scores.
+    Head sizes that are multiples of 8 (values: 16), on a CPU with AVX2, take the compiled
+    online-softmax kernel (``kernels/attention.py``), whose result for a query does not depend
+    on the other queries of the call, so a prompt's KV is the same computed in one chunk or
+    several. Other sizes take numpy's batched products: queries go in blocks whose scores fit
+    SCORES_BUDGET, computed in place in one reused buffer; without a window only the block's
+    last keys can be hidden, so only those are masked. The softmax's division is applied to
+    the block's output rows (dv wide) instead of its scores.
     """
     n_tokens, n_head, head_dim = q.shape
     n_kv, n_keys, _ = keys.shape
     value_dim = values.shape[-1]
-    if head_dim % 8 == 0 and value_dim % 16 == 0:
+    if head_dim % 8 == 0 and value_dim % 16 == 0 and kernels.available():
         out = np.empty((n_tokens, n_head * value_dim), dtype=np.float32)
         return attention.causal_attention(np.ascontiguousarray(q, dtype=np.float32), keys, values, first_pos,
                                           np.float32(scale), window or 0, np.float32(softcap or 0.0), out)
