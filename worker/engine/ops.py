@@ -169,7 +169,8 @@ def swiglu(x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
     u = linear(h, up)
     # silu(g) * u in place: numpy's exp is vectorized, a compiled loop's would call libm per value
     t = np.negative(g)
-    np.exp(t, out=t)
+    with np.errstate(over="ignore"):  # exp(-g) = inf for g << 0 gives silu = -0, as it should
+        np.exp(t, out=t)
     t += 1.0
     np.divide(g, t, out=t)
     t *= u
