@@ -13,12 +13,14 @@ so that the unit's dot product with an activation block (int8 values ``a``, scal
 
 ``q`` holds unsigned bytes (the weight's integer level), ``pair_scales`` the int16 factor of
 each 16-weight half (ones unless a type scales halves separately), ``scale`` and ``offset``
-the float factors. ``product_<kind>`` computes the integer part. Layouts follow GGML's block
+the float factors (float32: a float64 factor would put conversions in the inner loop).
+``product_<kind>`` computes the integer part. Layouts follow GGML's block
 structs (the ``gguf`` package's dequantizers are the reference the tests compare against).
 """
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit, types
 
 from worker.engine.kernels.simd import (abs_bytes, load_f16, load_i8x16_nibbles, load_i8x32, low_nibbles,
@@ -55,7 +57,7 @@ def decode_q4_0(row, u):
     # 18 bytes: scale (f16), 16 bytes of nibbles; weight = d * (q - 8)
     base = u * 18
     d = load_f16(row, base)
-    return load_i8x16_nibbles(row, base + 2), splat_i16(1), d, -8.0 * d
+    return load_i8x16_nibbles(row, base + 2), splat_i16(1), d, np.float32(-8.0) * d
 
 
 @njit(**_inline)
@@ -98,8 +100,8 @@ def decode_q4_k(row, u):
     base = (u >> 3) * 144
     j = u & 7
     scale, minimum = _k_scale_min(row, base + 4, j)
-    return (_k_nibbles(row, base + 16, j), splat_i16(1), load_f16(row, base) * scale,
-            -load_f16(row, base + 2) * minimum)
+    return (_k_nibbles(row, base + 16, j), splat_i16(1), load_f16(row, base) * np.float32(scale),
+            -load_f16(row, base + 2) * np.float32(minimum))
 
 
 @njit(**_inline)
@@ -110,7 +112,8 @@ def decode_q5_k(row, u):
     j = u & 7
     scale, minimum = _k_scale_min(row, base + 4, j)
     q = or_bytes(_k_nibbles(row, base + 48, j), where_bits(load_i8x32(row, base + 16), 1 << j, 16))
-    return q, splat_i16(1), load_f16(row, base) * scale, -load_f16(row, base + 2) * minimum
+    return (q, splat_i16(1), load_f16(row, base) * np.float32(scale),
+            -load_f16(row, base + 2) * np.float32(minimum))
 
 
 @njit(**_inline)
