@@ -169,7 +169,7 @@ class DecoderModel:
         if any(b is not None for b in biases):
             weights["bqkv"] = [b if b is not None else np.zeros(n, np.float32)
                                for b, n in zip(biases, (q_rows, k_rows, v_rows))]
-        if adjacent_pair_rope:
+        if adjacent_pair_rope and self.qk_columns is None:  # the same order for every layer
             self.qk_columns = (ops.adjacent_pairs_to_halves(hp.n_head, hp.head_dim),
                                ops.adjacent_pairs_to_halves(hp.n_head_kv, hp.head_dim))
         weights["wo"] = self.load_weight(gguf, f"{prefix}.attn_output.weight", (hp.n_embd, hp.n_head * hp.value_dim))

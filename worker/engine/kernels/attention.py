@@ -180,21 +180,9 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
         acc = np.zeros((rows, value_dim), dtype=np.float32)
         running_max = np.full(rows, -np.inf, dtype=np.float32)
         running_sum = np.zeros(rows, dtype=np.float32)
-        block_max = np.empty(rows, dtype=np.float32)
         lowest = max(0, first_pos + t0 - window + 1) if window > 0 else 0
         last = first_pos + t1 - 1
         for start in range(lowest - lowest % KEY_BLOCK, last + 1, KEY_BLOCK):
-            # three passes over the task's rows, so that the key block, then the value block,
-            # stays in the L1 cache while every row reads it
-            for t in range(t0, t1):
-                pos = first_pos + t
-                lo = max(start, pos - window + 1) if window > 0 else start
-                hi = min(start + KEY_BLOCK, pos + 1)
-                for g in range(group):
-                    row = (t - t0) * group + g
-                    if lo < hi:
-                        block_max[row] = _scores(q, t, kv * group + g, keys, kv, lo, hi, start, scale, softcap,
-                                                 scores, row)
             for t in range(t0, t1):
                 pos = first_pos + t
                 lo = max(start, pos - window + 1) if window > 0 else start
@@ -203,7 +191,8 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
                     continue
                 for g in range(group):
                     row = (t - t0) * group + g
-                    new_max = max(running_max[row], block_max[row])
+                    block_max = _scores(q, t, kv * group + g, keys, kv, lo, hi, start, scale, softcap, scores, row)
+                    new_max = max(running_max[row], block_max)
                     correction = exp_nonpositive(running_max[row] - new_max)
                     running_max[row] = new_max
                     for j in range(lo - start, hi - start):
@@ -212,14 +201,7 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
                                                                                    hi - start)
                     for i in range(value_dim):
                         acc[row, i] *= correction
-            for t in range(t0, t1):
-                pos = first_pos + t
-                lo = max(start, pos - window + 1) if window > 0 else start
-                hi = min(start + KEY_BLOCK, pos + 1)
-                if lo >= hi:
-                    continue
-                for g in range(group):
-                    _add_values(values, kv, lo, hi, start, scores, (t - t0) * group + g, acc)
+                    _add_values(values, kv, lo, hi, start, scores, row, acc)
         for t in range(t0, t1):
             for g in range(group):
                 row = (t - t0) * group + g
