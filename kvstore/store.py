@@ -28,29 +28,32 @@ log = logging.getLogger("lmserve.kvstore")
 
 @dataclass(frozen=True)
 class KVChunk:
-    keys: np.ndarray  # [n_layer, K, chunk, d] float32
-    values: np.ndarray  # [n_layer, K, chunk, dv] float32
+    keys: np.ndarray  # [n_layer, K, chunk, d] float16 or float32, as the cache holds them
+    values: np.ndarray  # [n_layer, K, chunk, dv] of the same type
 
     def encode(self) -> tuple[bytes, bytes]:
         """(data, metadata) records."""
-        keys = np.ascontiguousarray(self.keys, dtype=np.float32)
-        values = np.ascontiguousarray(self.values, dtype=np.float32)
+        keys = np.ascontiguousarray(self.keys)
+        values = np.ascontiguousarray(self.values, dtype=keys.dtype)
         data = keys.tobytes() + values.tobytes()
-        meta = msgpack.packb({"k": list(keys.shape), "v": list(values.shape), "dtype": "float32",
+        meta = msgpack.packb({"k": list(keys.shape), "v": list(values.shape), "dtype": keys.dtype.name,
                               "bytes": len(data), "crc": zlib.crc32(data)})
         return data, meta
 
     @classmethod
-    def decode(cls, data: bytes, meta: bytes, k_shape: tuple[int, ...], v_shape: tuple[int, ...]) -> "KVChunk":
-        """Rebuild a chunk, insisting on the geometry the caller expects; ValueError if not."""
+    def decode(cls, data: bytes, meta: bytes, k_shape: tuple[int, ...], v_shape: tuple[int, ...],
+               dtype: str) -> "KVChunk":
+        """Rebuild a chunk, insisting on the geometry and type the caller expects; ValueError if not."""
         info = msgpack.unpackb(meta)
-        if tuple(info["k"]) != k_shape or tuple(info["v"]) != v_shape or info["dtype"] != "float32":
-            raise ValueError(f"chunk holds {info['k']}/{info['v']} {info['dtype']}, expected {k_shape}/{v_shape} float32")
+        if tuple(info["k"]) != k_shape or tuple(info["v"]) != v_shape or info["dtype"] != dtype:
+            raise ValueError(f"chunk holds {info['k']}/{info['v']} {info['dtype']}, "
+                             f"expected {k_shape}/{v_shape} {dtype}")
         if len(data) != info["bytes"] or zlib.crc32(data) != info["crc"]:
             raise ValueError("chunk data does not match its checksum")
-        split = int(np.prod(k_shape)) * 4
-        keys = np.frombuffer(data, dtype=np.float32, count=split // 4).reshape(k_shape)
-        values = np.frombuffer(data, dtype=np.float32, offset=split).reshape(v_shape)
+        item = np.dtype(dtype)
+        count = int(np.prod(k_shape))
+        keys = np.frombuffer(data, dtype=item, count=count).reshape(k_shape)
+        values = np.frombuffer(data, dtype=item, offset=count * item.itemsize).reshape(v_shape)
         return cls(keys, values)
 
 

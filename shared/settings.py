@@ -96,6 +96,9 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
                         "not fit in half of the memory available)")
     p.add_argument("--threads", type=int, default=0,
                    help="threads of the compute kernels (0: every core this process may use)")
+    p.add_argument("--kv-type", choices=("f16", "f32"), default="f16",
+                   help="how the KV cache holds keys and values: f16 (half the memory of f32, "
+                        "resident and spilled alike) or f32")
     p.add_argument("--experts", choices=("borrow",), default="borrow",
                    help="how mixture-of-experts weights are held: 'borrow' (the only mode) reads them "
                         "in place from the memory-mapped file, only the routed experts' blocks")

@@ -64,7 +64,7 @@ class KVSpiller:
             if record is None:
                 break
             try:
-                chunk = KVChunk.decode(*record, k_shape, v_shape)
+                chunk = KVChunk.decode(*record, k_shape, v_shape, cache.dtype.name)
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("kvstore chunk %s is unusable (%s); dropping it", usable[index], exc)
                 self.store.delete(usable[index])

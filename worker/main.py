@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         bar = ProgressBar(sys.stderr, f"loading {os.path.basename(path)}") \
             if status is None and sys.stderr.isatty() else None
         try:
-            engine = Engine.load(path, status.loading if status else bar.update if bar else None)
+            engine = Engine.load(path, status.loading if status else bar.update if bar else None,
+                                 kv_type=args.kv_type)
         finally:
             if bar is not None:
                 bar.finish()

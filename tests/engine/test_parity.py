@@ -59,24 +59,31 @@ def _compare(model, fixture: dict, chunks: list[int]) -> tuple[float, float]:
     return float(np.abs(top_ours - top_ref).max()), float(np.abs(our_logprobs - ref_logprobs).max())
 
 
+# The tiny models' weights are F32: with an F32 KV cache (the fixture's) the result matches to
+# float rounding; an f16 cache rounds every key and value to 11 significant bits (measured:
+# max |Δlogit| 0.0036 llama, 0.0026 qwen3, 0.0024 qwen3moe), with the same top-1 everywhere.
+KV_TOLERANCE = {"f32": 1e-3, "f16": 1e-2}
+
+
+@pytest.mark.parametrize("kv_type", sorted(KV_TOLERANCE))
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3moe"])
-def test_tiny_model_logits_match_llama_cpp(arch, tmp_path):
+def test_tiny_model_logits_match_llama_cpp(arch, kv_type, tmp_path):
     fixture = _fixture(f"{arch}_tiny")
     rebuild = fixture["meta"]["model"]
     path = tmp_path / f"{arch}.gguf"
     write_tiny_gguf(path, rebuild.get("arch", arch), seed=rebuild.get("seed", 0), **rebuild.get("overrides", {}))
-    model = load_model(GGUFFile(path))
+    model = load_model(GGUFFile(path), kv_type=kv_type)
     n = len(fixture["tokens"])
     # all at once, then in uneven chunks through the KV cache: both must match
     for chunks in ([n], [7, 1, 13, n - 21]):
         max_logit, max_logprob = _compare(model, fixture, chunks)
-        assert max_logit < 1e-3, f"{arch}: max |Δlogit| {max_logit}"
-        assert max_logprob < 1e-3
+        assert max_logit < KV_TOLERANCE[kv_type], f"{arch}: max |Δlogit| {max_logit}"
+        assert max_logprob < KV_TOLERANCE[kv_type]
 
 
 @pytest.fixture(scope="module")
 def smollm2(default_model):
-    return load_model(GGUFFile(default_model), exact=True)
+    return load_model(GGUFFile(default_model), exact=True, kv_type="f32")
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,7 @@ from worker.kv_spill import KVSpiller
 
 @pytest.fixture(scope="module")
 def engine(default_model):
-    # The exact (float32) path: this compares a prompt computed in two chunks with the same
-    # prompt in one, and the served path's int8 rounding of activations turns the last-bit
-    # differences of numpy's prefill attention between chunk shapes into visible ones.
-    return Engine.load(default_model, exact=True)
+    return Engine.load(default_model)  # the served path: weights in place, an f16 KV cache
 
 
 def test_restored_kv_gives_the_logits_of_recomputing(engine, tmp_path):
@@ -35,8 +32,10 @@ def test_restored_kv_gives_the_logits_of_recomputing(engine, tmp_path):
 
     scratch = model.new_cache(512)
     reference = model.forward([(scratch, follow_up)], all_logits=True)[0][length:]
-    np.testing.assert_array_equal(ours.argmax(-1), reference.argmax(-1))
-    assert np.abs(ours - reference).max() < 1e-3
+    # the restored halves are the computed ones, and a prompt's KV does not depend on how it
+    # was chunked: the same bits
+    np.testing.assert_array_equal(ours, reference)
+    assert spiller.stats.chunks_restored == 4
     spiller.close()
 
 

@@ -11,9 +11,9 @@ from kvstore.store import DirectoryStore, KVChunk, RedisStore
 K_SHAPE, V_SHAPE = (2, 3, 4, 8), (2, 3, 4, 8)
 
 
-def _chunk(seed: int) -> KVChunk:
+def _chunk(seed: int, dtype: str = "float16") -> KVChunk:
     rng = np.random.default_rng(seed)
-    return KVChunk(rng.standard_normal(K_SHAPE).astype(np.float32), rng.standard_normal(V_SHAPE).astype(np.float32))
+    return KVChunk(rng.standard_normal(K_SHAPE).astype(dtype), rng.standard_normal(V_SHAPE).astype(dtype))
 
 
 @pytest.fixture(params=["redis", "directory"])
@@ -23,15 +23,18 @@ def store(request, start_redis, tmp_path):
     return DirectoryStore(tmp_path / "kv", max_bytes=1 << 30)
 
 
-def test_round_trip_and_consecutive_presence(store):
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_round_trip_and_consecutive_presence(store, dtype):
     keys = [f"lmserve:kv:{i:040x}" for i in range(4)]
     for i in (0, 1, 3):
-        store.put(keys[i], *_chunk(i).encode())
+        store.put(keys[i], *_chunk(i, dtype).encode())
     assert store.present(keys) == 2  # stops at the first miss
     data, meta = store.get(keys[1])
-    chunk = KVChunk.decode(data, meta, K_SHAPE, V_SHAPE)
-    np.testing.assert_array_equal(chunk.keys, _chunk(1).keys)
-    np.testing.assert_array_equal(chunk.values, _chunk(1).values)
+    assert len(data) == 2 * np.prod(K_SHAPE) * np.dtype(dtype).itemsize
+    chunk = KVChunk.decode(data, meta, K_SHAPE, V_SHAPE, dtype)
+    assert chunk.keys.dtype == chunk.values.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(chunk.keys, _chunk(1, dtype).keys)
+    np.testing.assert_array_equal(chunk.values, _chunk(1, dtype).values)
     assert store.get(keys[2]) is None
 
 
@@ -49,11 +52,13 @@ def test_metadata_without_data_counts_as_absent(store, tmp_path):
 def test_wrong_geometry_or_corrupt_data_is_refused(store):
     data, meta = _chunk(3).encode()
     with pytest.raises(ValueError, match="expected"):
-        KVChunk.decode(data, meta, (2, 3, 4, 16), V_SHAPE)
+        KVChunk.decode(data, meta, (2, 3, 4, 16), V_SHAPE, "float16")
+    with pytest.raises(ValueError, match="expected .* float32"):  # a cache of the other KV type
+        KVChunk.decode(data, meta, K_SHAPE, V_SHAPE, "float32")
     damaged = bytearray(data)
     damaged[10] ^= 0xFF
     with pytest.raises(ValueError, match="checksum"):
-        KVChunk.decode(bytes(damaged), meta, K_SHAPE, V_SHAPE)
+        KVChunk.decode(bytes(damaged), meta, K_SHAPE, V_SHAPE, "float16")
 
 
 def test_redis_down_is_a_miss_not_an_error(start_redis):
@@ -85,7 +90,7 @@ def test_directory_corrupt_file_is_a_miss_upstream(tmp_path):
     store._paths(key)[0].write_bytes(b"garbage")
     data, meta = store.get(key)
     with pytest.raises(ValueError):
-        KVChunk.decode(data, meta, K_SHAPE, V_SHAPE)
+        KVChunk.decode(data, meta, K_SHAPE, V_SHAPE, "float16")
 
 
 def test_chunk_keys_chain_the_whole_prefix():

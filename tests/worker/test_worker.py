@@ -196,7 +196,9 @@ def test_queue_overflow_gives_busy(sequential_worker):
         client = await _client(sequential_worker.endpoint)
         try:
             prompt = _prompt(client, QUESTIONS[3])
-            running = client.generate(Generate(client.new_request_id(), prompt, {"temperature": 0.8, "seed": 3}, 200))
+            # no stop tokens: it decodes until its --ctx 512 is full (seconds), unless aborted
+            running = client.generate(Generate(client.new_request_id(), prompt, {"temperature": 0.8, "seed": 3}, 2000,
+                                               stop_ids=[]))
             assert isinstance(await running.__anext__(), Accepted)
             assert isinstance(await running.__anext__(), Tokens)  # the first request is decoding
             queued = client.generate(_greedy(client, prompt, 4))

@@ -59,11 +59,12 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | os.PathLike, on_progress: Callable[[int, int], None] | None = None,
-             exact: bool = False) -> "Engine":
+             exact: bool = False, kv_type: str = "f16") -> "Engine":
         """on_progress(bytes taken, bytes in all tensors) is called as the weights are mapped.
-        ``exact`` holds every weight as float32 (see ``DecoderModel``)."""
+        ``exact`` holds every weight as float32 (see ``DecoderModel``); ``kv_type`` is the KV
+        cache's storage, ``f16`` or ``f32``."""
         gguf = GGUFFile(path, on_progress)
-        model = load_model(gguf, exact)
+        model = load_model(gguf, exact, kv_type)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         source = gguf.metadata.get("tokenizer.chat_template")
         template = None
@@ -136,7 +137,8 @@ class Engine:
 
 
 def _fingerprint(gguf: GGUFFile, model: DecoderModel) -> str:
-    """Hash of the file's identity and the KV geometry; cheap (no full read of the weights)."""
+    """Hash of the file's identity and the KV geometry and storage type; cheap (no full read of
+    the weights). ``rope-v2``: llama keys are kept in the file's adjacent-pair order."""
     hp = model.hp
     digest = hashlib.sha256()
     stat = os.stat(gguf.path)
@@ -145,5 +147,6 @@ def _fingerprint(gguf: GGUFFile, model: DecoderModel) -> str:
         digest.update(fh.read(1 << 20))
         fh.seek(max(0, stat.st_size - (1 << 20)))
         digest.update(fh.read(1 << 20))
-    digest.update(f"{model.architecture}:{hp.n_layer}:{hp.n_head_kv}:{hp.head_dim}:{hp.value_dim}".encode())
+    digest.update(f"{model.architecture}:{hp.n_layer}:{hp.n_head_kv}:{hp.head_dim}:{hp.value_dim}:"
+                  f"{model.kv_type}:rope-v2".encode())
     return digest.hexdigest()[:32]

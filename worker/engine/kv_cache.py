@@ -1,21 +1,28 @@
 """Per-sequence KV cache: keys and values of every layer for the tokens seen so far.
 
 Storage grows in whole blocks as a sequence gets longer, so a short chat does not pay for a
-full context, and ``truncate`` keeps a shared prefix for reuse by the next request.
+full context, and ``truncate`` keeps a shared prefix for reuse by the next request. Keys and
+values are held as IEEE halves (``f16``, the default: half the memory, spilled chunks
+included) or as float32 (``f32``); either way attention computes in float32.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from worker.engine.kernels import attention
+
 GROWTH_BLOCK = 256  # tokens added per growth step
+KV_TYPES = {"f16": np.float16, "f32": np.float32}
 
 
 class KVCache:
-    """keys[l], values[l]: [K, capacity, d] float32; the first ``length`` positions are valid."""
+    """keys[l], values[l]: [K, capacity, d] of ``dtype``; the first ``length`` positions are valid."""
 
     def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, max_tokens: int,
-                 value_dim: int | None = None):
+                 value_dim: int | None = None, kv_type: str = "f16"):
+        self.kv_type = kv_type
+        self.dtype = np.dtype(KV_TYPES[kv_type])
         self.n_layer = n_layer
         self.n_kv_head = n_kv_head
         self.head_dim = head_dim
@@ -32,8 +39,8 @@ class KVCache:
             raise ValueError(f"KV cache holds at most {self.max_tokens} tokens, {needed} needed")
         new_capacity = min(self.max_tokens, -(-needed // GROWTH_BLOCK) * GROWTH_BLOCK)
         for layer in range(self.n_layer):
-            k = np.empty((self.n_kv_head, new_capacity, self.head_dim), dtype=np.float32)
-            v = np.empty((self.n_kv_head, new_capacity, self.value_dim), dtype=np.float32)
+            k = np.empty((self.n_kv_head, new_capacity, self.head_dim), dtype=self.dtype)
+            v = np.empty((self.n_kv_head, new_capacity, self.value_dim), dtype=self.dtype)
             if self.capacity:
                 k[:, :self.length] = self.keys[layer][:, :self.length]
                 v[:, :self.length] = self.values[layer][:, :self.length]
@@ -58,6 +65,13 @@ class KVCache:
         self.values[layer][:, start:end] = v.transpose(1, 0, 2)
         return self.keys[layer][:, :end], self.values[layer][:, :end]
 
+    def store_and_attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
+                         window: int | None, out: np.ndarray) -> np.ndarray:
+        """``write`` and attention over the result in one compiled call (``attention.store_and_attend``):
+        q [T, H, d], k [T, K, d], v [T, K, dv] float32, C-ordered; out [T, H*dv]."""
+        return attention.store_and_attend(q, k, v, kernel_view(self.keys[layer]), kernel_view(self.values[layer]),
+                                          self.length, np.float32(scale), window or 0, np.float32(0.0), out)
+
     def commit(self, token_ids: list[int]) -> None:
         self.length += len(token_ids)
         self.tokens.extend(int(t) for t in token_ids)
@@ -78,7 +92,8 @@ class KVCache:
         return int(mismatch[0]) if mismatch.size else limit
 
     def export(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of positions [start, start+count) of every layer: keys [L, K, n, d], values [L, K, n, dv]."""
+        """Copies of positions [start, start+count) of every layer, in the cache's dtype:
+        keys [L, K, n, d], values [L, K, n, dv]."""
         end = start + count
         if end > self.length:
             raise ValueError(f"positions up to {end} asked for, {self.length} held")
@@ -100,8 +115,13 @@ class KVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.n_layer * self.n_kv_head * (self.head_dim + self.value_dim) * 4
+        return self.n_layer * self.n_kv_head * (self.head_dim + self.value_dim) * self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+
+
+def kernel_view(a: np.ndarray) -> np.ndarray:
+    """A cache array as the compiled attention reads it: float32, or the bits of f16 as uint16."""
+    return a.view(np.uint16) if a.dtype == np.float16 else a

@@ -18,10 +18,11 @@ from typing import Any, ClassVar
 import numpy as np
 
 from shared.errors import ModelLoadError
-from worker.engine import ops
+from worker.engine import kernels, ops
 from worker.engine.gguf_file import GGUFFile
-from worker.engine.kv_cache import KVCache
-from worker.engine.weights import MatmulInput, Weight
+from worker.engine.kernels import fused
+from worker.engine.kv_cache import KV_TYPES, KVCache
+from worker.engine.weights import MatmulInput, QuantizedWeight, Weight
 
 
 @dataclass(frozen=True)
@@ -102,16 +103,30 @@ class ForwardPass:
     sin: np.ndarray
 
 
+@dataclass(frozen=True)
+class FusedLayer:
+    """A layer's weights as the compiled block steps (``kernels/fused.py``) take them."""
+
+    attention: tuple  # attention_inputs' arguments after x: norm, eps, wq, wk, wv, kinds, bq, bk, bv, q_norm, k_norm
+    output: tuple  # attention_output's after x and attn: wo, kind
+    swiglu: tuple | None  # swiglu's after x: norm, eps, wg, wu, wd, kinds, n_ff (None: not a SwiGLU layer)
+
+
 class DecoderModel:
     """Base of every architecture: subclasses set ``architecture`` and fill in the hooks."""
 
     architecture: ClassVar[str]
+    # RoPE pairs: (i, i + d/2) by default; (2i, 2i + 1) where the file's Q/K rows are ordered so
+    rope_adjacent: ClassVar[bool] = False
 
-    def __init__(self, gguf: GGUFFile, exact: bool = False):
+    def __init__(self, gguf: GGUFFile, exact: bool = False, kv_type: str = "f16"):
         self.path = gguf.path
         # exact: every weight dequantized to float32 at load and multiplied with BLAS (parity
         # checks); otherwise weights stay in the file's blocks and int8 kernels multiply them
         self.exact = exact
+        if kv_type not in KV_TYPES:
+            raise ModelLoadError(f"unknown KV cache type {kv_type!r}: use one of {', '.join(KV_TYPES)}")
+        self.kv_type = kv_type
         self.hp = self.read_hparams(gguf)
         self.layers: list[dict[str, Any]] = []
         self.token_embd = gguf.weight("token_embd.weight", dense=exact)
@@ -124,8 +139,8 @@ class DecoderModel:
         # Small models tie the output head to the embedding; the same weight serves both.
         self.output = (self.load_weight(gguf, "output.weight", self.token_embd.shape)
                        if gguf.has_tensor("output.weight") else self.token_embd)
-        self.qk_columns: tuple[np.ndarray, np.ndarray] | None = None  # see load_qkv
         self.layers = [self.load_layer(gguf, i) for i in range(self.hp.n_layer)]
+        self.fused = [self.fused_layer(layer) for layer in self.layers]
         self.inv_freq = ops.rope_inverse_frequencies(
             self.hp.rope_dims, self.hp.rope_base, self.hp.rope_freq_scale, self.rope_freq_factors(gguf))
         self.attn_scale = 1.0 / float(np.sqrt(self.hp.head_dim))
@@ -150,11 +165,8 @@ class DecoderModel:
     def load_weight(self, gguf: GGUFFile, name: str, shape: tuple[int, ...]) -> Weight:
         return gguf.weight(name, shape, dense=self.exact)
 
-    def load_qkv(self, gguf: GGUFFile, i: int, adjacent_pair_rope: bool = False) -> dict[str, Any]:
-        """Q, K and V projections (fused in the file or not), optional biases, the output.
-
-        With ``adjacent_pair_rope`` the projected Q and K columns are reordered so that the
-        half-split RoPE of ``attend`` serves (the weights stay as the file has them)."""
+    def load_qkv(self, gguf: GGUFFile, i: int) -> dict[str, Any]:
+        """Q, K and V projections (fused in the file or not), optional biases, the output."""
         hp = self.hp
         prefix = f"blk.{i}"
         q_rows, k_rows, v_rows = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.n_head_kv * hp.value_dim
@@ -169,9 +181,6 @@ class DecoderModel:
         if any(b is not None for b in biases):
             weights["bqkv"] = [b if b is not None else np.zeros(n, np.float32)
                                for b, n in zip(biases, (q_rows, k_rows, v_rows))]
-        if adjacent_pair_rope and self.qk_columns is None:  # the same order for every layer
-            self.qk_columns = (ops.adjacent_pairs_to_halves(hp.n_head, hp.head_dim),
-                               ops.adjacent_pairs_to_halves(hp.n_head_kv, hp.head_dim))
         weights["wo"] = self.load_weight(gguf, f"{prefix}.attn_output.weight", (hp.n_embd, hp.n_head * hp.value_dim))
         return weights
 
@@ -184,6 +193,36 @@ class DecoderModel:
 
     def load_norm(self, gguf: GGUFFile, name: str, size: int | None = None) -> np.ndarray:
         return gguf.tensor(name, (size or self.hp.n_embd,))
+
+    def fused_layer(self, layer: dict[str, Any]) -> FusedLayer | None:
+        """The layer for the compiled block steps, or None where it cannot take them: exact
+        mode, a CPU without the kernels, a weight held as float32 (a type without a kernel), a
+        fused QKV tensor, or head sizes the compiled attention does not take."""
+        hp = self.hp
+        if self.exact or not kernels.available() or hp.head_dim % 8 or hp.value_dim % 16:
+            return None
+
+        def held_in_place(*names: str) -> bool:
+            return all(isinstance(layer.get(n), QuantizedWeight) and len(layer[n].shape) == 2
+                       and int(layer[n].qtype) in fused.TYPE_CODES for n in names)
+
+        if not held_in_place("wq", "wk", "wv", "wo") or "attn_norm" not in layer:
+            return None
+        none = np.zeros(0, dtype=np.float32)
+        biases = layer.get("bqkv") or (none, none, none)
+
+        def kinds(*names: str) -> np.ndarray:
+            return np.array([int(layer[n].qtype) for n in names], dtype=np.int64)
+
+        attention = (layer["attn_norm"], np.float32(hp.rms_eps), layer["wq"].data, layer["wk"].data,
+                     layer["wv"].data, kinds("wq", "wk", "wv"), *biases,
+                     layer.get("q_norm", none), layer.get("k_norm", none))
+        output = (layer["wo"].data, int(layer["wo"].qtype))
+        swiglu = None
+        if held_in_place("gate", "up", "down") and "ffn_norm" in layer:
+            swiglu = (layer["ffn_norm"], np.float32(hp.rms_eps), layer["gate"].data, layer["up"].data,
+                      layer["down"].data, kinds("gate", "up", "down"), layer["gate"].shape[0])
+        return FusedLayer(attention, output, swiglu)
 
     # --- the shared steps of a block -----------------------------------------------------------
 
@@ -201,8 +240,6 @@ class DecoderModel:
             q, k, v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
         else:
             q, k, v = (ops.linear(inp, layer[f"w{n}"], b) for n, b in zip("qkv", biases))
-        if self.qk_columns is not None:
-            q, k = q[:, self.qk_columns[0]], k[:, self.qk_columns[1]]
         return (q.reshape(n, hp.n_head, hp.head_dim),
                 k.reshape(n, hp.n_head_kv, hp.head_dim),
                 v.reshape(n, hp.n_head_kv, hp.value_dim))
@@ -222,8 +259,8 @@ class DecoderModel:
     def attend(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, fp: ForwardPass,
                window: int | None = None) -> np.ndarray:
         """RoPE on q/k, store k/v in each sequence's cache, attend; returns [T, H*dv]."""
-        q = ops.apply_rope_neox(q, fp.cos, fp.sin)
-        k = ops.apply_rope_neox(k, fp.cos, fp.sin)
+        q = ops.apply_rope(q, fp.cos, fp.sin, self.rope_adjacent)
+        k = ops.apply_rope(k, fp.cos, fp.sin, self.rope_adjacent)
         out = np.empty((q.shape[0], self.hp.n_head * self.hp.value_dim), dtype=np.float32)
         for cache, (start, end) in zip(fp.caches, fp.spans):
             keys, values = cache.write(i, k[start:end], v[start:end])
@@ -231,11 +268,46 @@ class DecoderModel:
                 q[start:end], keys, values, cache.length, self.attn_scale, window)
         return out
 
+    def attention_half(self, i: int, x: np.ndarray, fp: ForwardPass, window: int | None = None) -> np.ndarray:
+        """x + attention(RMSNorm(x)) for a pre-norm block (per-head Q/K norms where the layer
+        has them); compiled steps where the layer allows (x is then updated in place)."""
+        layer, spec = self.layers[i], self.fused[i]
+        if spec is None:
+            return x + self.self_attention(i, ops.rms_norm(x, layer["attn_norm"], self.hp.rms_eps), fp,
+                                           layer.get("q_norm"), layer.get("k_norm"), window)
+        return fused.attention_output(x, self._fused_attention(i, x, fp, window), *spec.output)
+
+    def swiglu_half(self, i: int, x: np.ndarray) -> np.ndarray:
+        """x + SwiGLU(RMSNorm(x)); compiled where the layer allows (x then updated in place)."""
+        layer, spec = self.layers[i], self.fused[i]
+        if spec is None or spec.swiglu is None:
+            return x + ops.swiglu(ops.rms_norm(x, layer["ffn_norm"], self.hp.rms_eps),
+                                  layer["gate"], layer["up"], layer["down"])
+        return fused.swiglu(x, *spec.swiglu)
+
+    def dense_block(self, i: int, x: np.ndarray, fp: ForwardPass, window: int | None = None) -> np.ndarray:
+        """The pre-norm block of llama and qwen3: attention, then SwiGLU, each with its residual."""
+        spec = self.fused[i]
+        if spec is None or spec.swiglu is None:
+            return self.swiglu_half(i, self.attention_half(i, x, fp, window))
+        attn = self._fused_attention(i, x, fp, window)
+        return fused.attention_output_swiglu(x, attn, *spec.output, *spec.swiglu)
+
+    def _fused_attention(self, i: int, x: np.ndarray, fp: ForwardPass, window: int | None) -> np.ndarray:
+        hp = self.hp
+        q, k, v = fused.attention_inputs(x, *self.fused[i].attention, fp.cos, fp.sin, self.rope_adjacent,
+                                         hp.n_head, hp.n_head_kv, hp.head_dim, hp.value_dim)
+        out = np.empty((x.shape[0], hp.n_head * hp.value_dim), dtype=np.float32)
+        for cache, (start, end) in zip(fp.caches, fp.spans):
+            cache.store_and_attend(i, q[start:end], k[start:end], v[start:end], self.attn_scale, window,
+                                   out[start:end])
+        return out
+
     # --- the forward pass ------------------------------------------------------------------------
 
     def new_cache(self, max_tokens: int) -> KVCache:
         hp = self.hp
-        return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, max_tokens, hp.value_dim)
+        return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, max_tokens, hp.value_dim, self.kv_type)
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         return self.token_embd.rows(token_ids)

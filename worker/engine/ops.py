@@ -13,6 +13,7 @@ import numpy as np
 
 from worker.engine import kernels
 from worker.engine.kernels import attention, rowwise
+from worker.engine.kv_cache import kernel_view
 from worker.engine.weights import MatmulInput, Weight
 
 _NO_WEIGHT = np.zeros(0, dtype=np.float32)
@@ -59,24 +60,13 @@ def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarra
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def apply_rope_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate pairs (i, i + n_rot/2) of each head; dims past n_rot pass through.
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, adjacent: bool = False) -> np.ndarray:
+    """Rotate pairs (i, i + n_rot/2) of each head, or (2i, 2i + 1) with ``adjacent`` (llama's
+    GGUF Q/K rows are ordered for that form); dims past n_rot pass through.
 
-    x [T, heads, d]; cos/sin [T, n_rot/2]. Architectures whose GGUF uses adjacent-pair
-    rotation (llama) have their Q/K rows permuted at load so this one form serves all.
-    """
+    x [T, heads, d]; cos/sin [T, n_rot/2]."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    return rowwise.rope_halves(x, cos, sin, np.empty_like(x))
-
-
-def adjacent_pairs_to_halves(n_heads: int, head_dim: int) -> np.ndarray:
-    """Column order that turns adjacent-pair RoPE into half-split (NEOX) RoPE.
-
-    Within each head, output dims [0,1,2,3,...] become [0,2,4,...,1,3,5,...]. Q and K columns
-    get the same order, so every q·k dot product, and thus attention, is unchanged.
-    """
-    order = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
-    return (np.arange(n_heads)[:, None] * head_dim + order[None, :]).reshape(-1)
+    return rowwise.rope(x, cos, sin, adjacent, np.empty_like(x))
 
 
 # --- attention -------------------------------------------------------------------------------
@@ -99,7 +89,7 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_
                      softcap: float | None = None) -> np.ndarray:
     """Attention of T new queries over L cached keys (the new ones included, last).
 
-    q [T, H, d]; keys [K, L, d], values [K, L, dv] with L = first_pos + T. Query i (at position
+    q [T, H, d]; keys [K, L, d], values [K, L, dv] (float32 or float16) with L = first_pos + T. Query i (at position
     first_pos + i) sees key j iff j <= first_pos + i and, with a sliding window, iff
     first_pos + i - j < window. Query head h reads KV head h // G. Returns [T, H*dv].
 
@@ -116,8 +106,10 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_
     value_dim = values.shape[-1]
     if head_dim % 8 == 0 and value_dim % 16 == 0 and kernels.available():
         out = np.empty((n_tokens, n_head * value_dim), dtype=np.float32)
-        return attention.causal_attention(np.ascontiguousarray(q, dtype=np.float32), keys, values, first_pos,
-                                          np.float32(scale), window or 0, np.float32(softcap or 0.0), out)
+        return attention.causal_attention(np.ascontiguousarray(q, dtype=np.float32), kernel_view(keys),
+                                          kernel_view(values), first_pos, np.float32(scale), window or 0,
+                                          np.float32(softcap or 0.0), out)
+    keys, values = keys.astype(np.float32, copy=False), values.astype(np.float32, copy=False)
     group = n_head // n_kv
     keys_t = keys.transpose(0, 2, 1)
     # the scale (and a softcap's division) go on the queries, far fewer than the scores

@@ -16,11 +16,11 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
 }
 
 
-def load_model(gguf: GGUFFile, exact: bool = False) -> DecoderModel:
+def load_model(gguf: GGUFFile, exact: bool = False, kv_type: str = "f16") -> DecoderModel:
     arch = gguf.architecture
     model_class = ARCHITECTURES.get(arch)
     if model_class is None:
         raise ModelLoadError(
             f"{gguf.path}: architecture {arch!r} is not supported "
             f"(supported: {', '.join(sorted(ARCHITECTURES))})")
-    return model_class(gguf, exact)
+    return model_class(gguf, exact, kv_type)

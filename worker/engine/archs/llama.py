@@ -1,8 +1,8 @@
 """llama (SmolLM2, Llama 2/3 and their fine-tunes).
 
 - pre-norm blocks: RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual
-- grouped-query attention, RoPE over the whole head (GGUF stores Q/K rows permuted for
-  adjacent-pair rotation; we permute them back at load and rotate halves)
+- grouped-query attention, RoPE over the whole head on adjacent pairs (GGUF stores the Q/K
+  rows permuted for that form)
 - optional Q/K/V biases, optional per-pair RoPE factors (Llama 3), tied or untied head
 """
 
@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 
 from shared.errors import ModelLoadError
-from worker.engine import ops
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.model import DecoderModel, ForwardPass, HParams
 
 
 class LlamaModel(DecoderModel):
     architecture = "llama"
+    rope_adjacent = True
 
     def read_hparams(self, gguf: GGUFFile) -> HParams:
         hp = super().read_hparams(gguf)
@@ -33,12 +33,10 @@ class LlamaModel(DecoderModel):
     def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, Any]:
         return {
             "attn_norm": self.load_norm(gguf, f"blk.{i}.attn_norm.weight"),
-            **self.load_qkv(gguf, i, adjacent_pair_rope=True),
+            **self.load_qkv(gguf, i),
             "ffn_norm": self.load_norm(gguf, f"blk.{i}.ffn_norm.weight"),
             **self.load_swiglu(gguf, i),
         }
 
     def block(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
-        layer, eps = self.layers[i], self.hp.rms_eps
-        x = x + self.self_attention(i, ops.rms_norm(x, layer["attn_norm"], eps), fp)
-        return x + ops.swiglu(ops.rms_norm(x, layer["ffn_norm"], eps), layer["gate"], layer["up"], layer["down"])
+        return self.dense_block(i, x, fp)

@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from worker.engine import ops
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.model import DecoderModel, ForwardPass
 
@@ -32,8 +31,4 @@ class Qwen3Model(DecoderModel):
         }
 
     def block(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
-        layer, eps = self.layers[i], self.hp.rms_eps
-        # Q/K RMSNorm per head, before RoPE
-        x = x + self.self_attention(i, ops.rms_norm(x, layer["attn_norm"], eps), fp,
-                                    layer["q_norm"], layer["k_norm"])
-        return x + ops.swiglu(ops.rms_norm(x, layer["ffn_norm"], eps), layer["gate"], layer["up"], layer["down"])
+        return self.dense_block(i, x, fp)  # with the layer's per-head Q/K RMSNorm, before RoPE

@@ -47,9 +47,7 @@ class Qwen3MoeModel(DecoderModel):
 
     def block(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
         layer, eps = self.layers[i], self.hp.rms_eps
-        # Q/K RMSNorm per head, before RoPE
-        x = x + self.self_attention(i, ops.rms_norm(x, layer["attn_norm"], eps), fp,
-                                    layer["q_norm"], layer["k_norm"])
+        x = self.attention_half(i, x, fp)  # with per-head Q/K RMSNorm, before RoPE
         h = ops.rms_norm(x, layer["ffn_norm"], eps)
         experts, weights = ops.moe_route_softmax_topk(h @ layer["router"].T, self.hp.n_expert_used, True)
         return x + ops.moe_swiglu(h, experts, weights, layer["gate_exps"], layer["up_exps"], layer["down_exps"])

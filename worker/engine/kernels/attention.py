@@ -20,8 +20,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from worker.engine.kernels.simd import (fmadd, load_f32x8, splat_f32, store_f32x8, sum_pairs_f32, sums8_f32,
-                                        zeros_f32)
+from worker.engine.kernels.simd import (add_f32, fmadd, load_f32x8, load_kv8, splat_f32, store_f32x8, store_kv8,
+                                        sum_pairs_f32, sums8_f32, zeros_f32)
 
 KEY_BLOCK = 64
 QUERY_BLOCK = 8
@@ -54,21 +54,22 @@ def exp_nonpositive(x):
     return p * _float_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
-@njit(fastmath=False, cache=True)
-def _ordered_sum(values, first, end):
-    """values[first:end] added left to right. Not fast-math: a vectorized sum's order would
-    depend on the row's address in memory, and so on which rows share the call."""
-    total = np.float32(0.0)
-    for j in range(first, end):
-        total += values[j]
-    return total
+@njit(inline="always", cache=True)
+def _block_sum(row):
+    """The sum of a block's KEY_BLOCK scores in one fixed order (eight lanes, then a fixed tree):
+    never the order a compiler would pick for the row's alignment in memory."""
+    a = add_f32(load_f32x8(row, 0), load_f32x8(row, 8))
+    b = add_f32(load_f32x8(row, 16), load_f32x8(row, 24))
+    c = add_f32(load_f32x8(row, 32), load_f32x8(row, 40))
+    d = add_f32(load_f32x8(row, 48), load_f32x8(row, 56))
+    return sum_pairs_f32(add_f32(add_f32(a, b), add_f32(c, d)))
 
 
 @njit(inline="always", cache=True)
 def _dot(query, key, head_dim):
     acc = zeros_f32()
     for i in range(0, head_dim, 8):
-        acc = fmadd(load_f32x8(query, i), load_f32x8(key, i), acc)
+        acc = fmadd(load_f32x8(query, i), load_kv8(key, i), acc)
     return sum_pairs_f32(acc)
 
 
@@ -88,26 +89,30 @@ def _scores(q, t, h, keys, kv, lo, hi, start, scale, softcap, scores, row):
         a4, a5, a6, a7 = zeros_f32(), zeros_f32(), zeros_f32(), zeros_f32()
         for i in range(0, head_dim, 8):
             x = load_f32x8(query, i)
-            a0 = fmadd(x, load_f32x8(k0, i), a0)
-            a1 = fmadd(x, load_f32x8(k1, i), a1)
-            a2 = fmadd(x, load_f32x8(k2, i), a2)
-            a3 = fmadd(x, load_f32x8(k3, i), a3)
-            a4 = fmadd(x, load_f32x8(k4, i), a4)
-            a5 = fmadd(x, load_f32x8(k5, i), a5)
-            a6 = fmadd(x, load_f32x8(k6, i), a6)
-            a7 = fmadd(x, load_f32x8(k7, i), a7)
+            a0 = fmadd(x, load_kv8(k0, i), a0)
+            a1 = fmadd(x, load_kv8(k1, i), a1)
+            a2 = fmadd(x, load_kv8(k2, i), a2)
+            a3 = fmadd(x, load_kv8(k3, i), a3)
+            a4 = fmadd(x, load_kv8(k4, i), a4)
+            a5 = fmadd(x, load_kv8(k5, i), a5)
+            a6 = fmadd(x, load_kv8(k6, i), a6)
+            a7 = fmadd(x, load_kv8(k7, i), a7)
         store_f32x8(scores[row], j - start, sums8_f32(a0, a1, a2, a3, a4, a5, a6, a7))
         j += 8
     while j < hi:
         scores[row, j - start] = _dot(query, keys[kv, j], head_dim)
         j += 1
     block_max = np.float32(-np.inf)
-    for j in range(lo - start, hi - start):
-        s = scores[row, j] * scale
-        if softcap > 0:
-            s = softcap * np.tanh(s / softcap)
-        scores[row, j] = s
-        block_max = max(block_max, s)
+    if softcap > 0:
+        for j in range(lo - start, hi - start):
+            s = softcap * np.tanh(scores[row, j] * scale / softcap)
+            scores[row, j] = s
+            block_max = max(block_max, s)
+    else:  # its own loop: without the call to tanh it vectorizes
+        for j in range(lo - start, hi - start):
+            s = scores[row, j] * scale
+            scores[row, j] = s
+            block_max = max(block_max, s)
     return block_max
 
 
@@ -125,14 +130,14 @@ def _add_values(values, kv, lo, hi, start, scores, row, acc):
         for j in range(lo, hi):
             p = splat_f32(scores[row, j - start])
             v = values[kv, j]
-            a0 = fmadd(p, load_f32x8(v, i), a0)
-            a1 = fmadd(p, load_f32x8(v, i + 8), a1)
-            a2 = fmadd(p, load_f32x8(v, i + 16), a2)
-            a3 = fmadd(p, load_f32x8(v, i + 24), a3)
-            a4 = fmadd(p, load_f32x8(v, i + 32), a4)
-            a5 = fmadd(p, load_f32x8(v, i + 40), a5)
-            a6 = fmadd(p, load_f32x8(v, i + 48), a6)
-            a7 = fmadd(p, load_f32x8(v, i + 56), a7)
+            a0 = fmadd(p, load_kv8(v, i), a0)
+            a1 = fmadd(p, load_kv8(v, i + 8), a1)
+            a2 = fmadd(p, load_kv8(v, i + 16), a2)
+            a3 = fmadd(p, load_kv8(v, i + 24), a3)
+            a4 = fmadd(p, load_kv8(v, i + 32), a4)
+            a5 = fmadd(p, load_kv8(v, i + 40), a5)
+            a6 = fmadd(p, load_kv8(v, i + 48), a6)
+            a7 = fmadd(p, load_kv8(v, i + 56), a7)
         store_f32x8(out, i, a0)
         store_f32x8(out, i + 8, a1)
         store_f32x8(out, i + 16, a2)
@@ -147,8 +152,8 @@ def _add_values(values, kv, lo, hi, start, scores, row, acc):
         for j in range(lo, hi):
             p = splat_f32(scores[row, j - start])
             v = values[kv, j]
-            a0 = fmadd(p, load_f32x8(v, i), a0)
-            a1 = fmadd(p, load_f32x8(v, i + 8), a1)
+            a0 = fmadd(p, load_kv8(v, i), a0)
+            a1 = fmadd(p, load_kv8(v, i + 8), a1)
         store_f32x8(out, i, a0)
         store_f32x8(out, i + 8, a1)
         i += 16
@@ -157,7 +162,8 @@ def _add_values(values, kv, lo, hi, start, scores, row, acc):
 @njit(parallel=True, fastmath=True, cache=True)
 def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
     """q [T, H, d]; keys [K, L, d]; values [K, L, dv] with L = first_pos + T; out [T, H*dv].
-    d must be a multiple of 8, dv of 16; the last axis of each array contiguous.
+    d must be a multiple of 8, dv of 16; the last axis of each array contiguous. Keys and
+    values are float32, or uint16 holding IEEE halves (an f16 cache).
 
     Query t (at position first_pos + t) sees key j iff j <= first_pos + t and, when window > 0,
     first_pos + t - j < window. softcap > 0 replaces a score s by softcap * tanh(s / softcap).
@@ -197,8 +203,11 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
                     running_max[row] = new_max
                     for j in range(lo - start, hi - start):
                         scores[row, j] = exp_nonpositive(scores[row, j] - new_max)
-                    running_sum[row] = running_sum[row] * correction + _ordered_sum(scores[row], lo - start,
-                                                                                   hi - start)
+                    for j in range(lo - start):  # keys of the block this query does not see
+                        scores[row, j] = 0.0
+                    for j in range(hi - start, KEY_BLOCK):
+                        scores[row, j] = 0.0
+                    running_sum[row] = running_sum[row] * correction + _block_sum(scores[row])
                     for i in range(value_dim):
                         acc[row, i] *= correction
                     _add_values(values, kv, lo, hi, start, scores, row, acc)
@@ -210,3 +219,21 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
                 for i in range(value_dim):
                     out[t, h * value_dim + i] = acc[row, i] * inverse
     return out
+
+
+@njit(cache=True)
+def store_and_attend(q, k, v, keys, values, first_pos, scale, window, softcap, out):
+    """Write this step's k [T, K, d] and v [T, K, dv] at positions first_pos.. of a cache's
+    keys [K, capacity, d] and values [K, capacity, dv] (float32 or f16 bits), then attend
+    (``causal_attention``) over everything up to them."""
+    n_tokens, n_kv, head_dim = k.shape
+    value_dim = v.shape[2]
+    for t in range(n_tokens):
+        for h in range(n_kv):
+            key, value = keys[h, first_pos + t], values[h, first_pos + t]
+            for i in range(0, head_dim, 8):
+                store_kv8(key, i, load_f32x8(k[t, h], i))
+            for i in range(0, value_dim, 8):
+                store_kv8(value, i, load_f32x8(v[t, h], i))
+    end = first_pos + n_tokens
+    return causal_attention(q, keys[:, :end], values[:, :end], first_pos, scale, window, softcap, out)

@@ -1,4 +1,4 @@
-"""Compiled row-wise steps of a block: RMSNorm and half-split RoPE.
+"""Compiled row-wise steps of a block: RMSNorm and RoPE (half-split or adjacent pairs).
 
 A decode step runs each of these on a few hundred values, where numpy's per-call cost (one
 temporary and one pass per ufunc) would outweigh the work; one compiled pass does each.
@@ -32,18 +32,21 @@ def rms_norm(x, weight, eps, out):
 
 
 @njit(fastmath=True, cache=True)
-def rope_halves(x, cos, sin, out):
-    """Rotate pairs (i, i + n_rot/2) of each head: x, out [T, heads, d]; cos, sin [T, n_rot/2].
-    Dimensions past n_rot are copied."""
+def rope(x, cos, sin, adjacent, out):
+    """Rotate each head's first n_rot dims by its position's angles: x, out [T, heads, d] (out
+    may be x); cos, sin [T, n_rot/2]. Pair i is (i, i + n_rot/2) (half-split, NEOX), or
+    (2i, 2i + 1) with ``adjacent`` (the form llama's GGUF rows are permuted for). Dimensions past
+    n_rot are copied."""
     n_tokens, n_heads, head_dim = x.shape
     half = cos.shape[1]
+    first, second = (2, 1) if adjacent else (1, half)  # pair i is (first * i, first * i + second)
     for t in range(n_tokens):
         for h in range(n_heads):
             for i in range(half):
-                a = x[t, h, i]
-                b = x[t, h, i + half]
-                out[t, h, i] = a * cos[t, i] - b * sin[t, i]
-                out[t, h, i + half] = b * cos[t, i] + a * sin[t, i]
+                a = x[t, h, first * i]
+                b = x[t, h, first * i + second]
+                out[t, h, first * i] = a * cos[t, i] - b * sin[t, i]
+                out[t, h, first * i + second] = b * cos[t, i] + a * sin[t, i]
             for i in range(2 * half, head_dim):
                 out[t, h, i] = x[t, h, i]
     return out

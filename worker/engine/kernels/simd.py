@@ -134,6 +134,44 @@ def store_f32x8(typingctx, array, element_offset, value):
     return types.none(array, element_offset, F32x8), codegen
 
 
+def _kv_pointer(context, builder, array_type, array, element_offset, vector_type):
+    data = cgutils.create_struct_proxy(array_type)(context, builder, value=array).data
+    return builder.bitcast(builder.gep(data, [element_offset]), vector_type.as_pointer())
+
+
+@intrinsic
+def load_kv8(typingctx, array, element_offset):
+    """8 values of a KV cache row from element ``element_offset`` as 8 float32: the row is
+    float32, or uint16 holding IEEE halves (an f16 cache)."""
+    half = array.dtype == types.uint16
+
+    def codegen(context, builder, sig, args):
+        if half:
+            vector = ir.VectorType(ir.HalfType(), 8)
+            halves = builder.load(_kv_pointer(context, builder, sig.args[0], args[0], args[1], vector), align=2)
+            return builder.fpext(halves, F32x8.llvm_type())
+        return builder.load(_kv_pointer(context, builder, sig.args[0], args[0], args[1], F32x8.llvm_type()), align=4)
+    return F32x8(array, element_offset), codegen
+
+
+@intrinsic
+def store_kv8(typingctx, array, element_offset, value):
+    """Write 8 float32 into a KV cache row from element ``element_offset``, rounded to the
+    nearest half when the row is uint16 (an f16 cache)."""
+    half = array.dtype == types.uint16
+
+    def codegen(context, builder, sig, args):
+        if half:
+            vector = ir.VectorType(ir.HalfType(), 8)
+            builder.store(builder.fptrunc(args[2], vector),
+                          _kv_pointer(context, builder, sig.args[0], args[0], args[1], vector), align=2)
+        else:
+            builder.store(args[2], _kv_pointer(context, builder, sig.args[0], args[0], args[1], F32x8.llvm_type()),
+                          align=4)
+        return context.get_dummy_value()
+    return types.none(array, element_offset, F32x8), codegen
+
+
 @intrinsic
 def load_f32x8_at(typingctx, array, byte_offset):
     """8 float32 from ``byte_offset`` of a byte array."""
@@ -323,6 +361,14 @@ def sum_f32(typingctx, a):
             total = builder.fadd(total, builder.extract_element(args[0], ir.Constant(ir.IntType(32), lane)))
         return total
     return types.float32(F32x8), codegen
+
+
+@intrinsic
+def add_f32(typingctx, a, b):
+    """a + b, lane by lane."""
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], args[1])
+    return F32x8(F32x8, F32x8), codegen
 
 
 @intrinsic
