@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 from gateway.access_log import GATEWAY_HEADER
 from gateway.edge import is_loopback
-from gateway.main import add_gateway_flags
-from gateway.main import build_parser as gateway_parser
+from gateway.flags import add_gateway_flags
+from gateway.flags import build_parser as gateway_parser
 from shared import settings as flags
 from shared.load_progress import ProgressBar, parse_status
-from worker.main import build_parser as worker_parser
+from worker.flags import build_parser as worker_parser
 
 POLL_INTERVAL = 0.1  # seconds between looks at the children
 GATEWAYS_READY_WAIT = 10.0  # after the first healthy answer, how long to wait to hear from every gateway

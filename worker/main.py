@@ -15,12 +15,12 @@ from shared.errors import LmserveError
 from shared.load_progress import ProgressBar, StatusWriter
 from worker.engine import kernels
 from worker.engine.engine import Engine
+from worker.flags import build_parser
 from worker.kv_spill import KVSpiller
 from worker.scheduler import SchedulerSettings
 from worker.scripted import ScriptedReplies
 from worker.server import WorkerServer, WorkerSettings
 
-DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 KV_MEMORY_SHARE = 0.5  # of the memory available at start, for --kv-slots full caches
 
 
@@ -49,24 +49,6 @@ def context_budget(engine: Engine, kv_slots: int, memory: int, log: logging.Logg
                 "half of the %.0f MiB available", ctx, trained, kv_slots, ctx,
                 ctx * per_token / kv_slots / 2**20, memory / 2**20)
     return ctx
-
-
-def build_parser():
-    p = flags.new_parser("lmserve worker", "Own the engine; serve gateways over ZeroMQ.")
-    flags.add_model_flags(p)
-    flags.add_worker_endpoint_flag(p, DEFAULT_ENDPOINT)
-    flags.add_worker_flags(p)
-    flags.add_log_flags(p)
-    p.add_argument("--status-fd", type=int, default=None,
-                   help="file descriptor to write load progress and readiness to, as JSON lines "
-                        "(lmserve serve passes a pipe here)")
-    p.add_argument("--scripted-replies", metavar="FILE", default=None,
-                   help="FOR TESTS ONLY: instead of sampling, answer with scripted replies (the forward "
-                        "pass still runs). FILE is a JSON list; a reply is a list of token ids or "
-                        "{\"text\": ...} or {\"ids\": [...]}, optionally with \"when\": MARKER. A request "
-                        "gets the keyed reply whose marker occurs latest in its prompt, else the next "
-                        "unkeyed reply in turn (cycling); each reply ends with the end-of-turn token")
-    return p
 
 
 def _spiller(args, engine: Engine, ctx: int) -> KVSpiller | None:

@@ -15,10 +15,10 @@ import pytest
 import yaml
 from conftest import REPO, ChildProcess, free_port
 
-from gateway.main import build_parser as gateway_parser
+from gateway.flags import build_parser as gateway_parser
 from shared import settings
 from shared.serve import build_parser as serve_parser
-from worker.main import build_parser as worker_parser
+from worker.flags import build_parser as worker_parser
 
 DEPLOY = REPO / "deploy"
 NGINX_CONF = DEPLOY / "nginx.conf"

@@ -53,7 +53,8 @@ def exact_reference(weights: np.ndarray, qtype: Q, acts: QuantizedActivations) -
 @pytest.mark.parametrize("qtype", sorted(INT8_KERNELS, key=lambda q: q.name), ids=lambda q: q.name)
 def test_int8_kernel_matches_the_dequantized_product(qtype):
     rng = np.random.default_rng(int(qtype))
-    n_in = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
+    # eleven 32-weight units: a run of eight (the kernel's unrolled step) and three after it
+    n_in = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 352
     weights = random_blocks(qtype, 37, n_in, rng)
     weight = QuantizedWeight(qtype, (37, n_in), weights)
     dense = quants.dequantize(weights, qtype)
@@ -68,6 +69,23 @@ def test_int8_kernel_matches_the_dequantized_product(qtype):
         floats = x.astype(np.float64) @ dense.T.astype(np.float64)
         bound = (0.5 * np.repeat(inp.quantized.scales, 32, axis=1)) @ np.abs(dense.T).astype(np.float64)
         assert np.all(np.abs(got - floats) <= bound * 1.001 + 1e-4 * scale), f"{qtype.name}, {m} rows"
+
+
+@pytest.mark.parametrize("qtype", sorted(INT8_KERNELS, key=lambda q: q.name), ids=lambda q: q.name)
+def test_a_row_gets_the_same_bits_in_a_tile_and_alone(qtype):
+    """The same activation row five times: four go through the tiled loop, one through the
+    single-row loop, and all five results must be equal to the bit (batch invariance rests on
+    it; a compiler free to reassociate the sums orders the two loops differently)."""
+    rng = np.random.default_rng(100 + int(qtype))
+    n_in = 2048 if GGML_QUANT_SIZES[qtype][0] == 256 else 1056  # long rows: 33 units of 32, or 64
+    # random block bytes, each below 0x3C so every f16 in them is finite (the gguf package's
+    # quantized weights and the small scales of random_blocks hid a difference in Q4_0)
+    row = n_in // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
+    weight = QuantizedWeight(qtype, (29, n_in), rng.integers(0, 0x3C, (29, row), dtype=np.uint8))
+    x = np.repeat(rng.standard_normal((1, n_in)).astype(np.float32), 5, axis=0)
+    got = weight.times_transposed(x)
+    for r in range(1, 5):
+        np.testing.assert_array_equal(got[r], got[0])
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda q: q.name)

@@ -9,11 +9,11 @@ import re
 import pytest
 from conftest import REPO
 
-from gateway.main import build_parser as gateway_parser
+from gateway.flags import build_parser as gateway_parser
 from gateway.main import settings_from
 from shared import settings
 from shared.serve import build_parser as serve_parser
-from worker.main import build_parser as worker_parser
+from worker.flags import build_parser as worker_parser
 
 ROLES = {"serve": serve_parser, "worker": worker_parser, "gateway": gateway_parser}
 SERVE_SETS_ITSELF = {"--status-fd"}  # the pipe between lmserve serve and its worker

@@ -32,9 +32,34 @@ def _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r, a
     return fmadd(splat_f32(scale * scales[r, u]), integer, acc), low + offset * sums[r, u]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(inline="always", cache=True)
+def _tile(decode, product, row, u, values, scales, sums, r, acc):
+    """Unit u of a weight row times activation rows r..r+3."""
+    a0, a1, a2, a3, l0, l1, l2, l3 = acc
+    q, pair_scales, scale, offset = decode(row, u)
+    a0, l0 = _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r, a0, l0)
+    a1, l1 = _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r + 1, a1, l1)
+    a2, l2 = _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r + 2, a2, l2)
+    a3, l3 = _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r + 3, a3, l3)
+    return a0, a1, a2, a3, l0, l1, l2, l3
+
+
+@njit(inline="always", cache=True)
+def _single(decode, product, row, u, values, scales, sums, r, acc, low):
+    q, pair_scales, scale, offset = decode(row, u)
+    return _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r, acc, low)
+
+
+# Fused multiply-adds but no other fast-math: reassociating a row's sums (which the compiler
+# does differently in the tiled and the single-row loops) would make a row's result depend on
+# the rows beside it.
+@njit(parallel=True, fastmath={"contract"}, cache=True)
 def matmul_int8(decode, product, weights, values, scales, sums, out):
-    """weights [n_out, row bytes] uint8; values [m, n] int8; scales, sums [m, n/32]; out [m, n_out]."""
+    """weights [n_out, row bytes] uint8; values [m, n] int8; scales, sums [m, n/32]; out [m, n_out].
+
+    Units go eight at a time, written out: u is then a multiple of 8 plus a constant, so a
+    K-quant's super-block (eight units) has its unit index known when compiled and its shared
+    scales are read once. The tiled and the single-row loops add in the same order."""
     m = values.shape[0]
     units = values.shape[1] // 32
     for first in range(0, m, CHUNK):
@@ -43,14 +68,23 @@ def matmul_int8(decode, product, weights, values, scales, sums, out):
         for o in prange(weights.shape[0]):
             row = weights[o]
             for r in range(first, tiled, TILE):
-                a0, a1, a2, a3 = zeros_f32(), zeros_f32(), zeros_f32(), zeros_f32()
-                l0 = l1 = l2 = l3 = np.float32(0.0)
-                for u in range(units):
-                    q, pair_scales, scale, offset = decode(row, u)
-                    a0, l0 = _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r, a0, l0)
-                    a1, l1 = _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r + 1, a1, l1)
-                    a2, l2 = _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r + 2, a2, l2)
-                    a3, l3 = _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r + 3, a3, l3)
+                z = zeros_f32()
+                acc = (z, z, z, z, np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0))
+                u = 0
+                while u + 8 <= units:
+                    acc = _tile(decode, product, row, u, values, scales, sums, r, acc)
+                    acc = _tile(decode, product, row, u + 1, values, scales, sums, r, acc)
+                    acc = _tile(decode, product, row, u + 2, values, scales, sums, r, acc)
+                    acc = _tile(decode, product, row, u + 3, values, scales, sums, r, acc)
+                    acc = _tile(decode, product, row, u + 4, values, scales, sums, r, acc)
+                    acc = _tile(decode, product, row, u + 5, values, scales, sums, r, acc)
+                    acc = _tile(decode, product, row, u + 6, values, scales, sums, r, acc)
+                    acc = _tile(decode, product, row, u + 7, values, scales, sums, r, acc)
+                    u += 8
+                while u < units:
+                    acc = _tile(decode, product, row, u, values, scales, sums, r, acc)
+                    u += 1
+                a0, a1, a2, a3, l0, l1, l2, l3 = acc
                 out[r, o] = sum_f32(a0) + l0
                 out[r + 1, o] = sum_f32(a1) + l1
                 out[r + 2, o] = sum_f32(a2) + l2
@@ -58,9 +92,20 @@ def matmul_int8(decode, product, weights, values, scales, sums, out):
             for r in range(tiled, last):
                 acc = zeros_f32()
                 low = np.float32(0.0)
-                for u in range(units):
-                    q, pair_scales, scale, offset = decode(row, u)
-                    acc, low = _apply(product, q, pair_scales, scale, offset, u, values, scales, sums, r, acc, low)
+                u = 0
+                while u + 8 <= units:
+                    acc, low = _single(decode, product, row, u, values, scales, sums, r, acc, low)
+                    acc, low = _single(decode, product, row, u + 1, values, scales, sums, r, acc, low)
+                    acc, low = _single(decode, product, row, u + 2, values, scales, sums, r, acc, low)
+                    acc, low = _single(decode, product, row, u + 3, values, scales, sums, r, acc, low)
+                    acc, low = _single(decode, product, row, u + 4, values, scales, sums, r, acc, low)
+                    acc, low = _single(decode, product, row, u + 5, values, scales, sums, r, acc, low)
+                    acc, low = _single(decode, product, row, u + 6, values, scales, sums, r, acc, low)
+                    acc, low = _single(decode, product, row, u + 7, values, scales, sums, r, acc, low)
+                    u += 8
+                while u < units:
+                    acc, low = _single(decode, product, row, u, values, scales, sums, r, acc, low)
+                    u += 1
                 out[r, o] = sum_f32(acc) + low
     return out
 
