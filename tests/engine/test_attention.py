@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import njit
 
 from worker.engine import kernels, ops
 from worker.engine.kernels import attention
+from worker.engine.kernels.simd import load_f32x8, store_f32x8
 
 
 def reference(q, keys, values, first_pos, scale, window=None, softcap=None):
@@ -88,18 +90,31 @@ def test_compiled_attention_matches_the_reference(n_tokens, first_pos, window, s
 
 
 @needs_kernels
-def test_a_query_gets_the_same_bits_in_any_chunk():
+@pytest.mark.parametrize("group, window, half", [
+    (3, 0, False),   # rows in fours cross token edges
+    (2, 0, True),    # an f16 cache
+    (1, 40, True),   # one head per KV head, a sliding window inside key blocks
+    (5, 0, False),   # a group whose rows leave a remainder after the fours
+])
+def test_a_query_gets_the_same_bits_in_any_chunk(group, window, half):
     """What a query computes depends on its position and the cache only: a prompt attended in
-    one call, in uneven chunks, or a token at a time gives identical rows."""
+    one call (rows four at a time), in uneven chunks, or a token at a time (rows one by one)
+    gives identical rows."""
     rng = np.random.default_rng(9)
-    n_tokens, n_kv, group, head_dim = 150, 3, 3, 64
+    n_tokens, n_kv, head_dim = 150, 3, 64
     keys = rng.standard_normal((n_kv, n_tokens, head_dim), dtype=np.float32)
     values = rng.standard_normal((n_kv, n_tokens, head_dim), dtype=np.float32)
+    if half:
+        keys, values = (a.astype(np.float16).view(np.uint16) for a in (keys, values))
     q = rng.standard_normal((n_tokens, n_kv * group, head_dim), dtype=np.float32)
-    whole = ops.causal_attention(q, keys, values, 0, 0.125)
+
+    def attend(a, b):
+        out = np.empty((b - a, n_kv * group * head_dim), dtype=np.float32)
+        return attention.causal_attention(q[a:b], keys[:, :b], values[:, :b], a, np.float32(0.125), window,
+                                          np.float32(0.0), out)
+    whole = attend(0, n_tokens)
     for cuts in ([0, 7, 8, 70, 150], list(range(151))):
-        parts = [ops.causal_attention(q[a:b], keys[:, :b], values[:, :b], a, 0.125)
-                 for a, b in zip(cuts, cuts[1:])]
+        parts = [attend(a, b) for a, b in zip(cuts, cuts[1:])]
         np.testing.assert_array_equal(np.concatenate(parts), whole)
 
 
@@ -113,3 +128,23 @@ def test_exp_nonpositive_is_close_to_numpy():
     assert relative.max() < 1e-5  # float32's own rounding of x·log2(e) is ~5e-6 near x = -87
     assert relative[x[::97][normal] > -10].max() < 1e-6
     assert np.all(got[~normal] < 1e-37)
+
+
+@needs_kernels
+def test_exp_nonpositive8_is_close_to_numpy():
+    x = -np.concatenate([np.linspace(0, 90, 8 * 12_500), [1e-9, 0.5, 86.9, 87.0, 200.0, np.inf, 0.0, 3.0]])
+    x = x.astype(np.float32)
+    got = np.empty_like(x)
+    exp_lanes(x, got)
+    want = np.exp(x.astype(np.float64))
+    normal = want > 1e-37
+    relative = np.abs(got[normal] - want[normal]) / want[normal]
+    assert relative.max() < 1e-5
+    assert relative[x[normal] > -10].max() < 1e-6
+    assert np.all(got[~normal] < 1e-37) and np.all(got >= 0)
+
+
+@njit
+def exp_lanes(x, out):
+    for i in range(0, x.shape[0], 8):
+        store_f32x8(out, i, attention.exp_nonpositive8(load_f32x8(x, i)))

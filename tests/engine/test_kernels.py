@@ -16,6 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from worker.engine import kernels
 from worker.engine.gguf_file import GGUFFile
+from worker.engine.kernels import fused
 from worker.engine.kernels.activations import QuantizedActivations
 from worker.engine.weights import INT8_KERNELS, DenseWeight, MatmulInput, QuantizedWeight, dequantize
 
@@ -159,3 +160,17 @@ def test_a_type_without_kernel_is_held_as_float32_and_named(tmp_path):
     np.testing.assert_array_equal(fallback.values, quants.dequantize(raw, Q.Q5_0))
     assert isinstance(loaded.weight("v"), QuantizedWeight)
     assert loaded.dense_fallbacks == {"w": "Q5_0"}
+
+
+def test_silu_times_matches_numpy():
+    """silu(g)·u eight lanes at a time and in the scalar tail (77 = 9 × 8 + 5 columns), across
+    the signs and out to where e^-a would overflow."""
+    rng = np.random.default_rng(3)
+    g = (rng.standard_normal((3, 77)) * 10).astype(np.float32)
+    g[0, :8] = [0.0, -0.0, 88.0, -90.0, 1e-8, -1e-8, 200.0, -200.0]
+    g[1, -5:] = [88.0, -90.0, 0.0, 3.0, -3.0]
+    u = rng.standard_normal((3, 77)).astype(np.float32)
+    x = g.astype(np.float64)
+    want = x / (1 + np.exp(-x)) * u
+    got = fused.silu_times(g.copy(), u)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-30)

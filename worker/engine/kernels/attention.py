@@ -20,7 +20,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from worker.engine.kernels.simd import (add_f32, fmadd, load_f32x8, load_kv8, splat_f32, store_f32x8, store_kv8,
+from worker.engine.kernels.simd import (add_f32, floor_f32, fmadd, keep_lanes_f32, load_f32x8, load_kv8, max_f32,
+                                        max_lane_f32, mul_f32, pow2_f32, splat_f32, store_f32x8, store_kv8, sub_f32,
                                         sum_pairs_f32, sums8_f32, zeros_f32)
 
 KEY_BLOCK = 64
@@ -55,6 +56,22 @@ def exp_nonpositive(x):
 
 
 @njit(inline="always", cache=True)
+def exp_nonpositive8(x):
+    """``exp_nonpositive`` on eight lanes."""
+    t = mul_f32(max_f32(x, splat_f32(-87.0)), splat_f32(1.4426950408889634))
+    n = floor_f32(add_f32(t, splat_f32(0.5)))
+    f = sub_f32(t, n)
+    p = fmadd(splat_f32(1.5252734e-5), f, splat_f32(1.5403530e-4))
+    p = fmadd(p, f, splat_f32(1.3333558e-3))
+    p = fmadd(p, f, splat_f32(9.6181291e-3))
+    p = fmadd(p, f, splat_f32(5.5504109e-2))
+    p = fmadd(p, f, splat_f32(2.4022651e-1))
+    p = fmadd(p, f, splat_f32(6.9314718e-1))
+    p = fmadd(p, f, splat_f32(1.0))
+    return mul_f32(p, pow2_f32(n))
+
+
+@njit(inline="always", cache=True)
 def _block_sum(row):
     """The sum of a block's KEY_BLOCK scores in one fixed order (eight lanes, then a fixed tree):
     never the order a compiler would pick for the row's alignment in memory."""
@@ -74,13 +91,20 @@ def _dot(query, key, head_dim):
 
 
 @njit(inline="always", cache=True)
-def _scores(q, t, h, keys, kv, lo, hi, start, scale, softcap, scores, row):
-    """scores[row, j - start] for keys lo..hi-1 of one query row; returns their maximum.
+def _span(start, pos, window):
+    """The keys of the block from ``start`` that the query at ``pos`` sees: lo..hi-1."""
+    lo = max(start, pos - window + 1) if window > 0 else start
+    return lo, min(start + KEY_BLOCK, pos + 1)
+
+
+@njit(inline="always", cache=True)
+def _raw_scores(query, keys, kv, lo, hi, start, scores, row):
+    """scores[row, j - start] = query · keys[kv, j] for keys lo..hi-1.
 
     Eight keys at a time share each load of the query (eight independent sums); every key's
-    sum runs over the head in the same order whatever keys it is grouped with."""
-    head_dim = q.shape[2]
-    query = q[t, h]
+    sum runs over the head in lanes of eight, then across the lanes in one fixed order, whatever
+    keys or rows it is grouped with."""
+    head_dim = query.shape[0]
     j = lo
     while j + 8 <= hi:
         k0, k1, k2, k3 = keys[kv, j], keys[kv, j + 1], keys[kv, j + 2], keys[kv, j + 3]
@@ -102,18 +126,75 @@ def _scores(q, t, h, keys, kv, lo, hi, start, scale, softcap, scores, row):
     while j < hi:
         scores[row, j - start] = _dot(query, keys[kv, j], head_dim)
         j += 1
-    block_max = np.float32(-np.inf)
+
+
+@njit(inline="always", cache=True)
+def _raw_scores_tile(q0, q1, q2, q3, keys, kv, lo, hi, start, scores, row, lanes):
+    """``_raw_scores`` for four query rows (row..row+3) at once, two keys at a time: each key's
+    load (and f16 widening) serves four rows, each row's load two keys; the eight sums are the
+    same chains ``_raw_scores`` runs."""
+    head_dim = q0.shape[0]
+    j = lo
+    while j + 2 <= hi:
+        k0, k1 = keys[kv, j], keys[kv, j + 1]
+        a0, a1, a2, a3 = zeros_f32(), zeros_f32(), zeros_f32(), zeros_f32()
+        a4, a5, a6, a7 = zeros_f32(), zeros_f32(), zeros_f32(), zeros_f32()
+        for i in range(0, head_dim, 8):
+            x0, x1 = load_kv8(k0, i), load_kv8(k1, i)
+            y = load_f32x8(q0, i)
+            a0 = fmadd(y, x0, a0)
+            a1 = fmadd(y, x1, a1)
+            y = load_f32x8(q1, i)
+            a2 = fmadd(y, x0, a2)
+            a3 = fmadd(y, x1, a3)
+            y = load_f32x8(q2, i)
+            a4 = fmadd(y, x0, a4)
+            a5 = fmadd(y, x1, a5)
+            y = load_f32x8(q3, i)
+            a6 = fmadd(y, x0, a6)
+            a7 = fmadd(y, x1, a7)
+        store_f32x8(lanes, 0, sums8_f32(a0, a1, a2, a3, a4, a5, a6, a7))
+        c = j - start
+        for r in range(4):
+            scores[row + r, c] = lanes[2 * r]
+            scores[row + r, c + 1] = lanes[2 * r + 1]
+        j += 2
+    if j < hi:
+        c = j - start
+        key = keys[kv, j]
+        scores[row, c] = _dot(q0, key, head_dim)
+        scores[row + 1, c] = _dot(q1, key, head_dim)
+        scores[row + 2, c] = _dot(q2, key, head_dim)
+        scores[row + 3, c] = _dot(q3, key, head_dim)
+
+
+@njit(inline="always", cache=True)
+def _softmax_block(scores, row, lo, hi, scale, softcap, running_max, running_sum, acc):
+    """Turn a row's raw scores of keys lo..hi-1 (block columns) into e^(s - max), zero the
+    columns it does not see, and rescale its sum and output to the new running maximum. Eight
+    lanes at a time, written out: the loop vectorizer leaves max and floor scalar."""
+    s = scores[row]
     if softcap > 0:
-        for j in range(lo - start, hi - start):
-            s = softcap * np.tanh(scores[row, j] * scale / softcap)
-            scores[row, j] = s
-            block_max = max(block_max, s)
-    else:  # its own loop: without the call to tanh it vectorizes
-        for j in range(lo - start, hi - start):
-            s = scores[row, j] * scale
-            scores[row, j] = s
-            block_max = max(block_max, s)
-    return block_max
+        for j in range(lo, hi):
+            s[j] = softcap * np.tanh(s[j] * scale / softcap)
+    top = splat_f32(-np.inf)
+    for c in range(0, KEY_BLOCK, 8):
+        x = load_f32x8(s, c)
+        if softcap <= 0:
+            x = mul_f32(x, splat_f32(scale))
+        x = keep_lanes_f32(x, c, lo, hi, -np.inf)
+        store_f32x8(s, c, x)
+        top = max_f32(top, x)
+    new_max = max(running_max[row], max_lane_f32(top))
+    correction = exp_nonpositive(running_max[row] - new_max)
+    running_max[row] = new_max
+    for c in range(0, KEY_BLOCK, 8):
+        p = exp_nonpositive8(sub_f32(load_f32x8(s, c), splat_f32(new_max)))
+        store_f32x8(s, c, keep_lanes_f32(p, c, lo, hi, 0.0))
+    running_sum[row] = running_sum[row] * correction + _block_sum(s)
+    out = acc[row]
+    for i in range(0, out.shape[0], 8):
+        store_f32x8(out, i, mul_f32(load_f32x8(out, i), splat_f32(correction)))
 
 
 @njit(inline="always", cache=True)
@@ -159,7 +240,45 @@ def _add_values(values, kv, lo, hi, start, scores, row, acc):
         i += 16
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(inline="always", cache=True)
+def _add_values_tile(values, kv, lo, hi, start, scores, row, acc):
+    """``_add_values`` for four rows (row..row+3) at once, 16 values at a time: each value's
+    load serves four rows. A row's weights outside its own keys are 0, which adds nothing, so
+    every output's sum runs over the same keys in the same order as alone."""
+    value_dim = values.shape[2]
+    o0, o1, o2, o3 = acc[row], acc[row + 1], acc[row + 2], acc[row + 3]
+    for i in range(0, value_dim, 16):
+        a0, a1, a2, a3 = load_f32x8(o0, i), load_f32x8(o0, i + 8), load_f32x8(o1, i), load_f32x8(o1, i + 8)
+        a4, a5, a6, a7 = load_f32x8(o2, i), load_f32x8(o2, i + 8), load_f32x8(o3, i), load_f32x8(o3, i + 8)
+        for j in range(lo, hi):
+            v = values[kv, j]
+            x0, x1 = load_kv8(v, i), load_kv8(v, i + 8)
+            c = j - start
+            p = splat_f32(scores[row, c])
+            a0 = fmadd(p, x0, a0)
+            a1 = fmadd(p, x1, a1)
+            p = splat_f32(scores[row + 1, c])
+            a2 = fmadd(p, x0, a2)
+            a3 = fmadd(p, x1, a3)
+            p = splat_f32(scores[row + 2, c])
+            a4 = fmadd(p, x0, a4)
+            a5 = fmadd(p, x1, a5)
+            p = splat_f32(scores[row + 3, c])
+            a6 = fmadd(p, x0, a6)
+            a7 = fmadd(p, x1, a7)
+        store_f32x8(o0, i, a0)
+        store_f32x8(o0, i + 8, a1)
+        store_f32x8(o1, i, a2)
+        store_f32x8(o1, i + 8, a3)
+        store_f32x8(o2, i, a4)
+        store_f32x8(o2, i + 8, a5)
+        store_f32x8(o3, i, a6)
+        store_f32x8(o3, i + 8, a7)
+
+
+# Every fast-math licence but reassociation: the tiles and the single rows must add in the
+# orders written (lanes, then a fixed tree), which a reassociating compiler would change.
+@njit(parallel=True, fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn"}, cache=True)
 def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
     """q [T, H, d]; keys [K, L, d]; values [K, L, dv] with L = first_pos + T; out [T, H*dv].
     d must be a multiple of 8, dv of 16; the last axis of each array contiguous. Keys and
@@ -167,6 +286,11 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
 
     Query t (at position first_pos + t) sees key j iff j <= first_pos + t and, when window > 0,
     first_pos + t - j < window. softcap > 0 replaces a score s by softcap * tanh(s / softcap).
+
+    A task's rows are (token, head of the group) in token order; each key block goes through
+    three passes over them: raw scores, four rows at a time; the online softmax, row by row;
+    the value sums, four rows at a time. Rows left over from fours go one by one, through the
+    same arithmetic.
     """
     n_tokens, n_head, head_dim = q.shape
     n_kv = keys.shape[0]
@@ -182,34 +306,46 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
         t0 = block * QUERY_BLOCK
         t1 = min(n_tokens, t0 + QUERY_BLOCK)
         rows = (t1 - t0) * group
+        tiled = rows - rows % 4
         scores = np.empty((rows, KEY_BLOCK), dtype=np.float32)
+        lanes = np.empty(8, dtype=np.float32)
         acc = np.zeros((rows, value_dim), dtype=np.float32)
         running_max = np.full(rows, -np.inf, dtype=np.float32)
         running_sum = np.zeros(rows, dtype=np.float32)
         lowest = max(0, first_pos + t0 - window + 1) if window > 0 else 0
         last = first_pos + t1 - 1
         for start in range(lowest - lowest % KEY_BLOCK, last + 1, KEY_BLOCK):
-            for t in range(t0, t1):
-                pos = first_pos + t
-                lo = max(start, pos - window + 1) if window > 0 else start
-                hi = min(start + KEY_BLOCK, pos + 1)
-                if lo >= hi:
-                    continue
-                for g in range(group):
-                    row = (t - t0) * group + g
-                    block_max = _scores(q, t, kv * group + g, keys, kv, lo, hi, start, scale, softcap, scores, row)
-                    new_max = max(running_max[row], block_max)
-                    correction = exp_nonpositive(running_max[row] - new_max)
-                    running_max[row] = new_max
-                    for j in range(lo - start, hi - start):
-                        scores[row, j] = exp_nonpositive(scores[row, j] - new_max)
-                    for j in range(lo - start):  # keys of the block this query does not see
-                        scores[row, j] = 0.0
-                    for j in range(hi - start, KEY_BLOCK):
-                        scores[row, j] = 0.0
-                    running_sum[row] = running_sum[row] * correction + _block_sum(scores[row])
-                    for i in range(value_dim):
-                        acc[row, i] *= correction
+            # rows are in token order and a span's ends grow with the position: the keys a
+            # tile's rows may see run from its first row's lo to its last row's hi
+            for row in range(0, tiled, 4):
+                lo = _span(start, first_pos + t0 + row // group, window)[0]
+                hi = _span(start, first_pos + t0 + (row + 3) // group, window)[1]
+                if lo < hi:
+                    _raw_scores_tile(q[t0 + row // group, kv * group + row % group],
+                                     q[t0 + (row + 1) // group, kv * group + (row + 1) % group],
+                                     q[t0 + (row + 2) // group, kv * group + (row + 2) % group],
+                                     q[t0 + (row + 3) // group, kv * group + (row + 3) % group],
+                                     keys, kv, lo, hi, start, scores, row, lanes)
+            for row in range(tiled, rows):
+                lo, hi = _span(start, first_pos + t0 + row // group, window)
+                if lo < hi:
+                    _raw_scores(q[t0 + row // group, kv * group + row % group], keys, kv, lo, hi, start, scores,
+                                row)
+            for row in range(rows):
+                lo, hi = _span(start, first_pos + t0 + row // group, window)
+                if lo < hi:
+                    _softmax_block(scores, row, lo - start, hi - start, scale, softcap, running_max, running_sum,
+                                   acc)
+                else:  # no key of this block: its weights are 0 for the tiles' value sums
+                    scores[row, :] = 0.0
+            for row in range(0, tiled, 4):
+                lo = _span(start, first_pos + t0 + row // group, window)[0]
+                hi = _span(start, first_pos + t0 + (row + 3) // group, window)[1]
+                if lo < hi:
+                    _add_values_tile(values, kv, lo, hi, start, scores, row, acc)
+            for row in range(tiled, rows):
+                lo, hi = _span(start, first_pos + t0 + row // group, window)
+                if lo < hi:
                     _add_values(values, kv, lo, hi, start, scores, row, acc)
         for t in range(t0, t1):
             for g in range(group):

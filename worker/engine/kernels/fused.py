@@ -19,7 +19,9 @@ from numba import njit
 
 from worker.engine.kernels import matmul, rowwise
 from worker.engine.kernels.activations import BLOCK, quantize_rows
-from worker.engine.kernels.attention import exp_nonpositive
+from worker.engine.kernels.attention import exp_nonpositive, exp_nonpositive8
+from worker.engine.kernels.simd import (abs_f32, add_f32, div_f32, load_f32x8, mul_f32, splat_f32, store_f32x8, sub_f32,
+                                        where_nonnegative_f32, zeros_f32)
 
 # GGML type codes of the types with a kernel (gguf.GGMLQuantizationType values)
 F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
@@ -107,16 +109,32 @@ def attention_output(x, attn, wo, kind):
     return x
 
 
-@njit(fastmath=True, cache=True)
+@njit(inline="always", fastmath=True, cache=True)
+def _silu(a):
+    """silu(a) = a / (1 + e^-a), written through e^-|a| so the exponential never overflows."""
+    e = exp_nonpositive(-abs(a))
+    s = a / (np.float32(1.0) + e)
+    return s if a >= 0 else s * e
+
+
+@njit(cache=True)
 def silu_times(g, u):
-    """silu(g) · u in place in g, with silu(a) = a / (1 + e^-a) written through e^-|a| so the
-    exponential never overflows and the loop vectorizes."""
+    """silu(g) · u in place in g, eight lanes at a time (the loop vectorizer would leave the
+    exponential's max and floor scalar)."""
+    n = g.shape[1]
+    one = splat_f32(1.0)
     for r in range(g.shape[0]):
-        for j in range(g.shape[1]):
-            a = g[r, j]
-            e = exp_nonpositive(-abs(a))
-            s = a / (np.float32(1.0) + e)
-            g[r, j] = (s if a >= 0 else s * e) * u[r, j]
+        gr, ur = g[r], u[r]
+        j = 0
+        while j + 8 <= n:
+            a = load_f32x8(gr, j)
+            e = exp_nonpositive8(sub_f32(zeros_f32(), abs_f32(a)))
+            s = div_f32(a, add_f32(one, e))
+            store_f32x8(gr, j, mul_f32(where_nonnegative_f32(a, s, mul_f32(s, e)), load_f32x8(ur, j)))
+            j += 8
+        while j < n:
+            gr[j] = _silu(gr[j]) * ur[j]
+            j += 1
     return g
 
 

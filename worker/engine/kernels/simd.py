@@ -363,12 +363,22 @@ def sum_f32(typingctx, a):
     return types.float32(F32x8), codegen
 
 
-@intrinsic
-def add_f32(typingctx, a, b):
-    """a + b, lane by lane."""
-    def codegen(context, builder, sig, args):
-        return builder.fadd(args[0], args[1])
-    return F32x8(F32x8, F32x8), codegen
+def _lanewise(build):
+    """An intrinsic applying ``build(builder, a, b)`` to two F32x8, lane by lane."""
+    @intrinsic
+    def operation(typingctx, a, b):
+        def codegen(context, builder, sig, args):
+            return build(builder, args[0], args[1])
+        return F32x8(F32x8, F32x8), codegen
+    return operation
+
+
+add_f32 = _lanewise(lambda builder, a, b: builder.fadd(a, b))
+sub_f32 = _lanewise(lambda builder, a, b: builder.fsub(a, b))
+mul_f32 = _lanewise(lambda builder, a, b: builder.fmul(a, b))
+div_f32 = _lanewise(lambda builder, a, b: builder.fdiv(a, b))
+# the larger of a and b (b where either is NaN)
+max_f32 = _lanewise(lambda builder, a, b: builder.select(builder.fcmp_ordered(">", a, b), a, b))
 
 
 @intrinsic
@@ -395,3 +405,69 @@ def sums8_f32(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
         high_halves = builder.shuffle_vector(quad_low, quad_high, ir.Constant(index, [4, 5, 6, 7, 12, 13, 14, 15]))
         return builder.fadd(low_halves, high_halves)
     return F32x8(F32x8, F32x8, F32x8, F32x8, F32x8, F32x8, F32x8, F32x8), codegen
+
+
+# --- float lanes the loop vectorizer leaves scalar ------------------------------------------------
+# numba lowers max() and np.floor so that LLVM does not vectorize loops holding them; kernels
+# that need them across a row write the lanes out with these.
+
+@intrinsic
+def max_lane_f32(typingctx, a):
+    """The largest of the 8 lanes."""
+    def codegen(context, builder, sig, args):
+        best = builder.extract_element(args[0], ir.Constant(ir.IntType(32), 0))
+        for lane in range(1, 8):
+            value = builder.extract_element(args[0], ir.Constant(ir.IntType(32), lane))
+            best = builder.select(builder.fcmp_ordered(">", value, best), value, best)
+        return best
+    return types.float32(F32x8), codegen
+
+
+@intrinsic
+def floor_f32(typingctx, a):
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.floor.v8f32", F32x8.llvm_type(), [args[0]])
+    return F32x8(F32x8), codegen
+
+
+@intrinsic
+def pow2_f32(typingctx, n):
+    """2^n per lane for lanes holding whole numbers in -126..127 (n put in the exponent bits)."""
+    def codegen(context, builder, sig, args):
+        lanes = I32x8.llvm_type()
+        whole = builder.fptosi(args[0], lanes)
+        biased = builder.add(whole, ir.Constant(lanes, [127] * 8))
+        return builder.bitcast(builder.shl(biased, ir.Constant(lanes, [23] * 8)), F32x8.llvm_type())
+    return F32x8(F32x8), codegen
+
+
+@intrinsic
+def abs_f32(typingctx, a):
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.fabs.v8f32", F32x8.llvm_type(), [args[0]])
+    return F32x8(F32x8), codegen
+
+
+@intrinsic
+def where_nonnegative_f32(typingctx, test, a, b):
+    """a in the lanes where ``test`` >= 0, b elsewhere."""
+    def codegen(context, builder, sig, args):
+        zero = ir.Constant(F32x8.llvm_type(), [0.0] * 8)
+        return builder.select(builder.fcmp_ordered(">=", args[0], zero), args[1], args[2])
+    return F32x8(F32x8, F32x8, F32x8), codegen
+
+
+@intrinsic
+def keep_lanes_f32(typingctx, a, first, lo, hi, fill):
+    """a in the lanes l with lo <= first + l < hi, ``fill`` elsewhere."""
+    def codegen(context, builder, sig, args):
+        index_type = ir.VectorType(ir.IntType(64), 8)
+
+        def wide(value):
+            value = builder.sext(value, ir.IntType(64)) if value.type.width < 64 else value
+            return _broadcast(builder, value, index_type)
+        index = builder.add(wide(args[1]), ir.Constant(index_type, list(range(8))))
+        inside = builder.and_(builder.icmp_signed(">=", index, wide(args[2])),
+                              builder.icmp_signed("<", index, wide(args[3])))
+        return builder.select(inside, args[0], _broadcast(builder, args[4], F32x8.llvm_type()))
+    return F32x8(F32x8, first, lo, hi, fill), codegen
