@@ -103,16 +103,26 @@ def test_float_kernel_matches_numpy(qtype):
         np.testing.assert_allclose(weight.times_transposed(x), x @ dense.T, rtol=1e-4, atol=1e-4)
 
 
-def test_activation_blocks_round_to_the_nearest_step():
+@pytest.mark.parametrize("m", [3, 12])  # on the calling thread; in parallel
+def test_activation_blocks_round_to_the_nearest_step(m):
     rng = np.random.default_rng(4)
-    x = rng.standard_normal((3, 128)).astype(np.float32) * np.array([[1e-3], [1.0], [1e3]], np.float32)
+    magnitudes = np.array([1e-3, 1.0, 1e3], np.float32)[np.arange(m) % 3, None]
+    x = rng.standard_normal((m, 128)).astype(np.float32) * magnitudes
     x[1, 32:64] = 0.0  # an all-zero block
+    x[0, 0:32] = 0.0
+    x[0, 0:5] = [0.5, -0.5, 1.5, -2.5, 127.0]  # a step of exactly 1: halves round to even
     acts = QuantizedActivations(x)
     steps = np.repeat(acts.scales, 32, axis=1)
     assert np.abs(acts.values.astype(np.int32)).max() <= 127
     assert np.all(np.abs(acts.values * steps - x) <= 0.5 * steps * 1.0001 + 1e-12)
     assert np.all(acts.values[1, 32:64] == 0) and acts.scales[1, 1] == 0
-    np.testing.assert_allclose(acts.sums, acts.scales * acts.values.reshape(3, 4, 32).sum(axis=2), rtol=1e-6)
+    np.testing.assert_allclose(acts.sums, acts.scales * acts.values.reshape(m, 4, 32).sum(axis=2), rtol=1e-6)
+    # the same levels as numpy's float32 arithmetic, bit for bit
+    largest = np.abs(x.reshape(m, 4, 32)).max(axis=2, keepdims=True)
+    inverse = np.where(largest > 0, np.float32(127.0) / np.where(largest > 0, largest, 1), np.float32(0.0))
+    want = np.rint(x.reshape(m, 4, 32) * inverse.astype(np.float32)).astype(np.int8).reshape(m, 128)
+    np.testing.assert_array_equal(acts.values, want)
+    assert list(acts.values[0, :5]) == [0, 0, 2, -2, 127]
 
 
 def test_rows_and_experts_read_the_right_blocks():

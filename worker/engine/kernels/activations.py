@@ -11,27 +11,52 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from worker.engine.kernels.simd import (abs_f32, add_f32, load_f32x8, max_f32, max_lane_f32, mul_f32, rint_f32,
+                                        splat_f32, store_i8x8, sum_f32)
+
 BLOCK = 32
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(inline="always", cache=True)
+def _quantize_row(x, q, scales, sums, r):
+    """Row r, eight lanes at a time (the loop vectorizer leaves max and rounding scalar)."""
+    row, levels = x[r], q[r]
+    for b in range(x.shape[1] // BLOCK):
+        start = b * BLOCK
+        v0, v1 = load_f32x8(row, start), load_f32x8(row, start + 8)
+        v2, v3 = load_f32x8(row, start + 16), load_f32x8(row, start + 24)
+        largest = max_lane_f32(max_f32(max_f32(abs_f32(v0), abs_f32(v1)), max_f32(abs_f32(v2), abs_f32(v3))))
+        inverse = splat_f32(np.float32(127.0) / largest if largest > 0 else np.float32(0.0))
+        l0, l1 = rint_f32(mul_f32(v0, inverse)), rint_f32(mul_f32(v1, inverse))
+        l2, l3 = rint_f32(mul_f32(v2, inverse)), rint_f32(mul_f32(v3, inverse))
+        store_i8x8(levels, start, l0)
+        store_i8x8(levels, start + 8, l1)
+        store_i8x8(levels, start + 16, l2)
+        store_i8x8(levels, start + 24, l3)
+        scales[r, b] = largest / np.float32(127.0)
+        # whole numbers below 2^12 in magnitude: the float sum is exact
+        sums[r, b] = scales[r, b] * sum_f32(add_f32(add_f32(l0, l1), add_f32(l2, l3)))
+
+
+@njit(parallel=True, cache=True)
+def _quantize_in_parallel(x, q, scales, sums):
+    for r in prange(x.shape[0]):
+        _quantize_row(x, q, scales, sums, r)
+
+
+FEW_ROWS = 8  # fewer rows than this are quantized on the calling thread
+
+
+@njit(cache=True)
 def quantize_rows(x, q, scales, sums):
-    """x [m, n] float32 -> q [m, n] int8, scales [m, n/32], sums [m, n/32] (float32)."""
-    m, n = x.shape
-    for r in prange(m):
-        for b in range(n // BLOCK):
-            start = b * BLOCK
-            largest = np.float32(0.0)
-            for j in range(start, start + BLOCK):
-                largest = max(largest, abs(x[r, j]))
-            inverse = np.float32(127.0) / largest if largest > 0 else np.float32(0.0)
-            total = 0
-            for j in range(start, start + BLOCK):
-                level = np.int32(np.rint(x[r, j] * inverse))
-                q[r, j] = level
-                total += level
-            scales[r, b] = largest / np.float32(127.0)
-            sums[r, b] = scales[r, b] * total
+    """x [m, n] float32 (contiguous, n % 32 == 0) -> q [m, n] int8, scales [m, n/32] and
+    sums [m, n/32] float32. A decode step's few rows stay on the calling thread: opening a
+    parallel region would cost more than their work."""
+    if x.shape[0] < FEW_ROWS:
+        for r in range(x.shape[0]):
+            _quantize_row(x, q, scales, sums, r)
+    else:
+        _quantize_in_parallel(x, q, scales, sums)
 
 
 class QuantizedActivations:

@@ -471,3 +471,23 @@ def keep_lanes_f32(typingctx, a, first, lo, hi, fill):
                               builder.icmp_signed("<", index, wide(args[3])))
         return builder.select(inside, args[0], _broadcast(builder, args[4], F32x8.llvm_type()))
     return F32x8(F32x8, first, lo, hi, fill), codegen
+
+
+@intrinsic
+def rint_f32(typingctx, a):
+    """Each lane rounded to the nearest whole number, halves to even (as np.rint)."""
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.rint.v8f32", F32x8.llvm_type(), [args[0]])
+    return F32x8(F32x8), codegen
+
+
+@intrinsic
+def store_i8x8(typingctx, array, element_offset, value):
+    """Write 8 float lanes holding whole numbers in -128..127 into an int8 array as bytes."""
+    def codegen(context, builder, sig, args):
+        data = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0]).data
+        vector = ir.VectorType(ir.IntType(8), 8)
+        address = builder.bitcast(builder.gep(data, [args[1]]), vector.as_pointer())
+        builder.store(builder.trunc(builder.fptosi(args[2], I32x8.llvm_type()), vector), address, align=1)
+        return context.get_dummy_value()
+    return types.none(array, element_offset, F32x8), codegen
