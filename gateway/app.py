@@ -35,7 +35,7 @@ from shared.errors import (
     NotFoundError,
     WorkerUnavailableError,
 )
-from shared.worker_client import WorkerClient
+from gateway.worker_client import WorkerClient
 
 log = logging.getLogger("lmserve.gateway")
 

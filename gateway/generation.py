@@ -29,7 +29,7 @@ from gateway.prompting import THINK_CLOSE, THINK_OPEN, ModelView
 from gateway.stop_strings import StopStringMatcher, partial_suffix
 from shared.errors import ShuttingDownError, WorkerUnavailableError
 from shared.protocol import Accepted, Finished, Generate, Tokens
-from shared.worker_client import WorkerClient
+from gateway.worker_client import WorkerClient
 
 WORKER_REASONS = {"stop": "stop", "length": "length", "context": "context", "error": "error",
                   "abort": "stop_sequence"}

@@ -10,12 +10,11 @@ import time
 
 from kvstore.store import open_store
 from shared import log_format
-from shared import settings as flags
 from shared.errors import LmserveError
 from shared.load_progress import ProgressBar, StatusWriter
 from worker.engine import kernels
 from worker.engine.engine import Engine
-from worker.flags import build_parser
+from worker.flags import build_parser, check_worker_flags
 from worker.kv_spill import KVSpiller
 from worker.scheduler import SchedulerSettings
 from worker.scripted import ScriptedReplies
@@ -61,7 +60,7 @@ def _spiller(args, engine: Engine, ctx: int) -> KVSpiller | None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    flags.check_worker_flags(parser, args)
+    check_worker_flags(parser, args)
     log_format.configure(args.log_format)
     log = logging.getLogger("lmserve.worker")
     status = StatusWriter(args.status_fd) if args.status_fd is not None else None
