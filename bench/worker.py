@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from shared.protocol import Finished, Generate
 from gateway.worker_client import WorkerClient
+from shared.protocol import Finished, Generate
 
 REPO = Path(__file__).resolve().parent.parent
 

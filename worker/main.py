@@ -16,7 +16,7 @@ from worker.engine import kernels
 from worker.engine.engine import Engine
 from worker.flags import build_parser, check_worker_flags
 from worker.kv_spill import KVSpiller
-from worker.scheduler import SchedulerSettings
+from worker.scheduler import SchedulerSettings, resident_slot_count
 from worker.scripted import ScriptedReplies
 from worker.server import WorkerServer, WorkerSettings
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         if scripted is not None:
             log.warning("scripted replies from %s: answers are replayed, not sampled (a test setup)",
                         args.scripted_replies)
-        kv_slots = max(args.kv_slots, args.batch)
+        kv_slots = resident_slot_count(args.kv_slots, args.batch)
         ctx = args.ctx or context_budget(engine, kv_slots, available_memory(), log)
         spiller = _spiller(args, engine, ctx)
         if spiller is not None:
