@@ -12,14 +12,15 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /app
 # Metadata first, so a code change does not reinstall the dependencies.
 COPY pyproject.toml README.md ./
-RUN mkdir -p shared gateway worker kvstore \
-    && touch shared/__init__.py gateway/__init__.py worker/__init__.py kvstore/__init__.py \
+RUN mkdir -p shared gateway worker kvstore launcher \
+    && touch shared/__init__.py gateway/__init__.py worker/__init__.py kvstore/__init__.py launcher/__init__.py \
     && pip install . \
     && pip uninstall -y lmserve
 COPY shared ./shared
 COPY gateway ./gateway
 COPY worker ./worker
 COPY kvstore ./kvstore
+COPY launcher ./launcher
 RUN pip install --no-deps . && rm -rf build *.egg-info
 
 # No root at run time; the cache is where the default model would be unpacked.

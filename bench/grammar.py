@@ -47,13 +47,13 @@ def run(engine: Engine, grammar: GrammarEngine, batch: int, tokens: int, constra
     deadline = time.monotonic() + 30
     while len(scheduler.waiting) < batch and time.monotonic() < deadline:
         time.sleep(0.01)  # compiles land on the pool
-    scheduler._admit()
-    scheduler._step()  # prefill: not part of decode speed
+    scheduler.admit()
+    scheduler.step()  # prefill: not part of decode speed
     produced_before = len(scheduler.running)
     started = time.perf_counter()
     while scheduler.running or scheduler.waiting:
-        scheduler._admit()
-        scheduler._step()
+        scheduler.admit()
+        scheduler.step()
     elapsed = time.perf_counter() - started
     produced = sum(f.completion_tokens for f in outbox.finished) - produced_before
     return produced / elapsed

@@ -58,11 +58,11 @@ class Stack:
     def __init__(self, model: str | None, ctx: int, kv_dir: str):
         self.worker_endpoint = f"tcp://127.0.0.1:{_free_port()}"
         self.port = _free_port()
-        self.worker_args = [sys.executable, "-m", "shared.cli", "worker", *([model] if model else []),
+        self.worker_args = [sys.executable, "-m", "launcher.cli", "worker", *([model] if model else []),
                             "--worker", self.worker_endpoint, "--ctx", str(ctx), "--kv-cache-dir", kv_dir,
                             "--kv-disk-slots", "4"]
         self.worker = self._spawn(self.worker_args)
-        self.gateway = self._spawn([sys.executable, "-m", "shared.cli", "gateway", "--worker", self.worker_endpoint,
+        self.gateway = self._spawn([sys.executable, "-m", "launcher.cli", "gateway", "--worker", self.worker_endpoint,
                                     "--port", str(self.port)])
         self.wait()
 

@@ -516,7 +516,7 @@ class ServerSpec:
 def lmserve_spec(model: str, ctx: int, parallel: int, threads: int) -> ServerSpec:
     port = free_port()
     blas = {k: str(threads) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    return ServerSpec(LMSERVE, [sys.executable, "-m", "shared.cli", "serve", model, "--ctx", str(ctx),
+    return ServerSpec(LMSERVE, [sys.executable, "-m", "launcher.cli", "serve", model, "--ctx", str(ctx),
                                 "--batch", str(parallel), "--kv-slots", str(parallel), "--threads", str(threads),
                                 "--port", str(port)],
                       port, "/health", blas)

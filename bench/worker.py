@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from gateway.worker_client import WorkerClient
 from shared.protocol import Finished, Generate
-from shared.worker_client import WorkerClient
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,7 +58,7 @@ async def _measure(endpoint: str, tokens: int, repeats: int) -> dict[int, list[f
 
 def _start(model: str | None, *flags: str) -> tuple[subprocess.Popen, str]:
     endpoint = _endpoint()
-    args = [sys.executable, "-m", "shared.cli", "worker", *([model] if model else []), "--worker", endpoint,
+    args = [sys.executable, "-m", "launcher.cli", "worker", *([model] if model else []), "--worker", endpoint,
             "--queue", "16", *flags]
     return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), endpoint
 

@@ -20,6 +20,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.dialects import ANTHROPIC, CHAT, RESPONSES
 from gateway.neutral import (
     Event,
     Finish,
@@ -34,7 +35,7 @@ SCOPE_KEY = "lmserve.access"
 # Probes arrive every few seconds from a proxy or orchestrator; logged only at debug level
 # unless they fail, so they do not drown the requests.
 PROBE_PATHS = {"/health", "/", "/api/hello"}
-DIALECT_PATHS = (("/v1/chat/completions", "chat"), ("/v1/responses", "responses"), ("/v1/messages", "anthropic"))
+DIALECT_PATHS = (("/v1/chat/completions", CHAT), ("/v1/responses", RESPONSES), ("/v1/messages", ANTHROPIC))
 
 log = logging.getLogger("lmserve.access")
 

@@ -29,20 +29,21 @@ from gateway.generation import Completion, generate
 from gateway.neutral import Event, Ping, Started
 from gateway.prompting import ModelView
 from gateway.request_fields import parse_json_object
+from gateway.worker_client import WorkerClient
 from shared.errors import (
     InvalidRequestError,
     LmserveError,
     NotFoundError,
     WorkerUnavailableError,
 )
-from shared.worker_client import WorkerClient
+from shared.protocol import DEFAULT_ENDPOINT
 
 log = logging.getLogger("lmserve.gateway")
 
 
 @dataclass
 class GatewaySettings:
-    worker: str = "tcp://127.0.0.1:5557"
+    worker: str = DEFAULT_ENDPOINT
     edge: EdgeSettings = field(default_factory=EdgeSettings)
     ping_interval: float = 10.0  # seconds of silence before an SSE keep-alive
     heartbeat_interval: float = 1.0
@@ -61,6 +62,14 @@ class Gateway:
         self._view: ModelView | None = None
         self.cut: asyncio.Event | None = None  # set when the drain timeout runs out (lifespan)
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        """In the server's event loop: connect to the worker; the drain timer will run in this loop."""
+        self.cut, self._loop = asyncio.Event(), asyncio.get_running_loop()
+        await self.client.start()
+
+    async def close(self) -> None:
+        await self.client.close()
 
     def begin_drain(self) -> None:
         """Shutdown began (any thread, a signal handler too): replies still running when the
@@ -161,12 +170,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        gateway.cut, gateway._loop = asyncio.Event(), asyncio.get_running_loop()
-        await gateway.client.start()
+        await gateway.start()
         try:
             yield
         finally:
-            await gateway.client.close()
+            await gateway.close()
 
     app = FastAPI(title="lmserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway

@@ -12,11 +12,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from gateway.dialects import ANTHROPIC, CHAT, RESPONSES
 from shared.errors import ContextOverflowError, LmserveError
-
-ANTHROPIC = "anthropic"
-CHAT = "chat"
-RESPONSES = "responses"
 
 # status -> (OpenAI type, OpenAI code)
 _OPENAI_TYPES = {

@@ -3,16 +3,18 @@ children's command lines from these parsers without importing the HTTP stack."""
 
 from __future__ import annotations
 
-from shared import settings as flags
+import argparse
 
-DEFAULT_WORKER = "tcp://127.0.0.1:5557"
+from shared import log_format
+from shared.command_line import CommaList, EnvParser, new_parser
+from shared.protocol import DEFAULT_ENDPOINT
 
 
-def add_gateway_flags(p) -> None:
+def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=8080, help="port")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer K (or x-api-key: K)")
-    p.add_argument("--allow-host", action=flags.CommaList, default=[],
+    p.add_argument("--allow-host", action=CommaList, default=[],
                    help="extra Host header values to accept (comma-separated, repeatable); "
                         "arms the Host guard on non-loopback binds")
     p.add_argument("--conns", type=int, default=32, help="max concurrent connections")
@@ -24,11 +26,12 @@ def add_gateway_flags(p) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on shutdown, seconds in-flight requests get to finish; a reply still running is then "
                         "cut with an error in its dialect")
-    flags.add_log_flags(p)
+    log_format.add_log_format_flag(p)
 
 
-def build_parser():
-    p = flags.new_parser("lmserve gateway", "Serve the HTTP APIs; forward requests to a worker.")
-    flags.add_worker_endpoint_flag(p, DEFAULT_WORKER)
+def build_parser() -> EnvParser:
+    p = new_parser("lmserve gateway", "Serve the HTTP APIs; forward requests to a worker.")
+    p.add_argument("--worker", default=DEFAULT_ENDPOINT,
+                   help="ZeroMQ endpoint of the worker (tcp://host:port or ipc://path)")
     add_gateway_flags(p)
     return p

@@ -27,9 +27,9 @@ from gateway.neutral import (
 )
 from gateway.prompting import THINK_CLOSE, THINK_OPEN, ModelView
 from gateway.stop_strings import StopStringMatcher, partial_suffix
+from gateway.worker_client import WorkerClient
 from shared.errors import ShuttingDownError, WorkerUnavailableError
 from shared.protocol import Accepted, Finished, Generate, Tokens
-from shared.worker_client import WorkerClient
 
 WORKER_REASONS = {"stop": "stop", "length": "length", "context": "context", "error": "error",
                   "abort": "stop_sequence"}
@@ -290,12 +290,3 @@ class Completion:
             self.prompt_tokens = event.prompt_tokens
         elif isinstance(event, Finish):
             self.finish = event
-
-
-async def collect(events: AsyncIterator[Event]) -> Completion:
-    completion = Completion()
-    async for event in events:
-        completion.add(event)
-    if completion.finish is None:
-        raise WorkerUnavailableError("the answer ended without a finish")
-    return completion

@@ -14,7 +14,7 @@ from shared.sampling_params import SamplingParams
 
 @dataclass
 class NeutralRequest:
-    dialect: str  # "chat" | "responses" | "anthropic"
+    dialect: str  # one of gateway.dialects: CHAT, RESPONSES, ANTHROPIC
     model: str  # echoed back as the caller sent it
     messages: list[dict[str, Any]]  # chat-template messages: role, content (str), tool_calls, …
     max_tokens: int | None = None  # None: up to the context budget

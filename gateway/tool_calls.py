@@ -31,7 +31,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import ANTHROPIC
+from gateway.dialects import ANTHROPIC
 from gateway.neutral import (
     NeutralRequest,
     TextDelta,
@@ -113,8 +113,8 @@ def plan(view: ModelView, request: NeutralRequest) -> ToolPlan:
     if not view.has_tool_convention:
         if forced is None:
             return ToolPlan([], False, None)
-        schema = ({"anyOf": [_call_schema(request, tool, whitespace=False) for tool in forced]}
-                  if len(forced) > 1 else _call_schema(request, forced[0], whitespace=False))
+        schema = ({"anyOf": [call_schema(request, tool, whitespace=False) for tool in forced]}
+                  if len(forced) > 1 else call_schema(request, forced[0], whitespace=False))
         return ToolPlan([], True, 1, grammar={"kind": "json_schema", "source": json.dumps(schema)},
                         instruction=_json_call_instruction(request, forced), call_format=JSON_CALL)
     if not request.tools or request.tool_choice == "none":
@@ -189,7 +189,8 @@ def _binding_in_auto(request: NeutralRequest, function: dict[str, Any]) -> bool:
     return function["name"] in request.tool_input_patterns or function.get("strict") is True
 
 
-def _call_schema(request: NeutralRequest, tool: dict[str, Any], whitespace: bool = True) -> dict[str, Any]:
+def call_schema(request: NeutralRequest, tool: dict[str, Any], whitespace: bool = True) -> dict[str, Any]:
+    """The JSON schema of one generic call to ``tool``: ``{"name": ..., "arguments": {...}}``."""
     function = tool["function"]
     schema: dict[str, Any] = {
         "type": "object",
@@ -211,7 +212,7 @@ def hermes_lark(request: NeutralRequest, tools: list[dict[str, Any]], parallel: 
     breaks, may come before the first call.
     """
     alternatives = " | ".join(f"fn_{i}" for i in range(len(tools)))
-    functions = "\n".join(f"fn_{i}: %json {json.dumps(_call_schema(request, tool))}" for i, tool in enumerate(tools))
+    functions = "\n".join(f"fn_{i}: %json {json.dumps(call_schema(request, tool))}" for i, tool in enumerate(tools))
     call = f'tc: {TOOL_CALL_OPEN} "\\n" ({alternatives}) "\\n" {TOOL_CALL_CLOSE}\n'
     if optional:
         # after the last call only layout: the reply ends there (Hermes models stop after calls)

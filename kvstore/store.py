@@ -158,7 +158,8 @@ class DirectoryStore:
     def describe(self) -> str:
         return f"directory {self.root} (budget {self.max_bytes / 2**20:.0f} MiB)"
 
-    def _paths(self, key: str) -> tuple[Path, Path]:
+    def files(self, key: str) -> tuple[Path, Path]:
+        """Where a chunk's data and metadata are (or would be) kept."""
         name = key.rsplit(":", 1)[-1]
         folder = self.root / name[:2]
         return folder / f"{name}.data", folder / f"{name}.meta"
@@ -166,13 +167,13 @@ class DirectoryStore:
     def present(self, keys: list[str]) -> int:
         found = 0
         for key in keys:
-            if not self._paths(key)[1].exists():
+            if not self.files(key)[1].exists():
                 break
             found += 1
         return found
 
     def get(self, key: str) -> tuple[bytes, bytes] | None:
-        data_path, meta_path = self._paths(key)
+        data_path, meta_path = self.files(key)
         try:
             meta = meta_path.read_bytes()
         except FileNotFoundError:
@@ -192,7 +193,7 @@ class DirectoryStore:
         return data, meta
 
     def put(self, key: str, data: bytes, meta: bytes) -> None:
-        data_path, meta_path = self._paths(key)
+        data_path, meta_path = self.files(key)
         try:
             data_path.parent.mkdir(exist_ok=True)
             for path, blob in ((data_path, data), (meta_path, meta)):
@@ -208,7 +209,7 @@ class DirectoryStore:
                 self._evict()
 
     def delete(self, key: str) -> None:
-        data_path, meta_path = self._paths(key)
+        data_path, meta_path = self.files(key)
         meta_path.unlink(missing_ok=True)
         try:
             size = data_path.stat().st_size

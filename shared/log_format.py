@@ -7,13 +7,20 @@ pipeline can index them without parsing the message.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
 import time
 from typing import Any
 
+LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+def add_log_format_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                   help="log lines as readable text or as one JSON object per line")
 
 
 class JsonFormatter(logging.Formatter):

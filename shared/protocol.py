@@ -34,6 +34,8 @@ from shared.errors import InvalidRequestError
 from shared.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
+# Where a worker binds and a gateway connects when no --worker is given: this machine.
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 HEARTBEAT_INTERVAL = 1.0  # seconds between heartbeats, both directions
 HEARTBEAT_TIMEOUT = 6.0  # silence after which the peer is presumed gone
 # REJECTED kind for a GENERATE from a gateway this worker instance has not been greeted by

@@ -20,6 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
+from shared.command_line import ENV_PREFIX  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
 from worker.engine.gguf_file import GGUFFile  # noqa: E402
 
@@ -69,11 +70,11 @@ class WorkerProcess(ChildProcess):
     def __init__(self, model: Path | str, *flags: str, log_path: Path):
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.log_path = log_path
-        self.args = [sys.executable, "-m", "shared.cli", "worker", str(model), "--worker", self.endpoint, *flags]
+        self.args = [sys.executable, "-m", "launcher.cli", "worker", str(model), "--worker", self.endpoint, *flags]
 
     def card(self, timeout: float = 30):
         """The MODEL_CARD the worker sends a connecting gateway."""
-        from shared.worker_client import WorkerClient
+        from gateway.worker_client import WorkerClient
 
         async def ask():
             client = WorkerClient(self.endpoint)
@@ -116,7 +117,7 @@ class GatewayProcess(ChildProcess):
         self.port = free_port()
         self.host = host
         self.log_path = log_path
-        self.args = [sys.executable, "-m", "shared.cli", "gateway", "--worker", worker_endpoint,
+        self.args = [sys.executable, "-m", "launcher.cli", "gateway", "--worker", worker_endpoint,
                      "--host", host, "--port", str(self.port), *flags]
 
     @property
@@ -211,6 +212,14 @@ def stack_worker(start_worker, default_model) -> WorkerProcess:
 def stack(start_gateway, stack_worker) -> GatewayProcess:
     """A gateway in front of the shared worker, no API key."""
     return start_gateway(stack_worker, "--ping-interval", "0.5")
+
+
+@pytest.fixture
+def no_lmserve_environment(monkeypatch):
+    """No LMSERVE_* variable of the machine running the tests sets a parser's defaults."""
+    for name in list(os.environ):
+        if name.startswith(ENV_PREFIX):
+            monkeypatch.delenv(name)
 
 
 def run(coro):

@@ -3,17 +3,68 @@ children's command lines from this parser without importing numba and the kernel
 
 from __future__ import annotations
 
-from shared import settings as flags
+import argparse
+import os
 
-DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+from kvstore.chunks import DEFAULT_CHUNK_TOKENS
+from shared import log_format
+from shared.command_line import EnvParser, env_name, new_parser
+from shared.protocol import DEFAULT_ENDPOINT
 
 
-def build_parser():
-    p = flags.new_parser("lmserve worker", "Own the engine; serve gateways over ZeroMQ.")
-    flags.add_model_flags(p)
-    flags.add_worker_endpoint_flag(p, DEFAULT_ENDPOINT)
-    flags.add_worker_flags(p)
-    flags.add_log_flags(p)
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=os.environ.get(env_name("--model")),
+                   help="GGUF model file (default: SmolLM2-135M-Instruct, fetched once) [env LMSERVE_MODEL]")
+
+
+def add_worker_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ctx", type=int, default=0,
+                   help="per-request context budget in tokens, prompt and completion together "
+                        "(0: the model's trained context, reduced if --kv-slots full caches would "
+                        "not fit in half of the memory available)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="threads of the compute kernels (0: every core this process may use)")
+    p.add_argument("--kv-type", choices=("f16", "f32"), default="f16",
+                   help="how the KV cache holds keys and values: f16 (half the memory of f32, "
+                        "resident and spilled alike) or f32")
+    p.add_argument("--experts", choices=("borrow",), default="borrow",
+                   help="how mixture-of-experts weights are held: 'borrow' (the only mode) reads them "
+                        "in place from the memory-mapped file, only the routed experts' blocks")
+    p.add_argument("--queue", type=int, default=16, help="max queued requests before 429")
+    p.add_argument("--batch", type=int, default=1,
+                   help="lockstep-decode up to N requests together (raises --kv-slots to N)")
+    p.add_argument("--kv-slots", type=int, default=1,
+                   help="resident KV-reuse slots; each can hold a full --ctx cache")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens computed per step while other streams decode")
+    p.add_argument("--heartbeat-timeout", type=float, default=6.0,
+                   help="seconds of silence after which a gateway's requests are ended")
+    p.add_argument("--kv-store", default=None,
+                   help="Redis URL of the kvstore (redis://host:6379/0): evicted KV spills there, "
+                        "and any worker of the same model restores it")
+    p.add_argument("--kv-cache-dir", default=None,
+                   help="spill evicted KV to files under this directory (the embedded kvstore)")
+    p.add_argument("--kv-disk-slots", type=int, default=8,
+                   help="size bound of --kv-cache-dir, in full --ctx caches")
+    p.add_argument("--kv-chunk", type=int, default=DEFAULT_CHUNK_TOKENS,
+                   help="tokens per spilled KV chunk")
+
+
+def check_worker_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("ctx", "queue", "batch", "kv_slots", "prefill_chunk", "kv_disk_slots", "kv_chunk", "threads"):
+        if getattr(args, name) < (0 if name in ("queue", "ctx", "threads") else 1):
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    if 0 < args.ctx < 16:
+        p.error("--ctx must be at least 16 tokens")
+
+
+def build_parser() -> EnvParser:
+    p = new_parser("lmserve worker", "Own the engine; serve gateways over ZeroMQ.")
+    add_model_flags(p)
+    p.add_argument("--worker", default=DEFAULT_ENDPOINT,
+                   help="ZeroMQ endpoint of the worker (tcp://host:port or ipc://path)")
+    add_worker_flags(p)
+    log_format.add_log_format_flag(p)
     p.add_argument("--status-fd", type=int, default=None,
                    help="file descriptor to write load progress and readiness to, as JSON lines "
                         "(lmserve serve passes a pipe here)")

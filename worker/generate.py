@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import sys
 
-from shared import settings as flags
+from shared.command_line import EnvParser, new_parser
 from shared.sampling_params import SamplingParams
 from worker.engine.engine import Engine, GenerationStats
+from worker.flags import add_model_flags
 
 
-def build_parser():
-    p = flags.new_parser("lmserve generate", "Complete one prompt in-process; print prefill and decode tokens/s.")
-    flags.add_model_flags(p)
+def build_parser() -> EnvParser:
+    p = new_parser("lmserve generate", "Complete one prompt in-process; print prefill and decode tokens/s.")
+    add_model_flags(p)
     p.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-tokens", type=int, default=128)

@@ -10,14 +10,13 @@ import time
 
 from kvstore.store import open_store
 from shared import log_format
-from shared import settings as flags
 from shared.errors import LmserveError
 from shared.load_progress import ProgressBar, StatusWriter
 from worker.engine import kernels
 from worker.engine.engine import Engine
-from worker.flags import build_parser
+from worker.flags import build_parser, check_worker_flags
 from worker.kv_spill import KVSpiller
-from worker.scheduler import SchedulerSettings
+from worker.scheduler import SchedulerSettings, resident_slot_count
 from worker.scripted import ScriptedReplies
 from worker.server import WorkerServer, WorkerSettings
 
@@ -61,7 +60,7 @@ def _spiller(args, engine: Engine, ctx: int) -> KVSpiller | None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    flags.check_worker_flags(parser, args)
+    check_worker_flags(parser, args)
     log_format.configure(args.log_format)
     log = logging.getLogger("lmserve.worker")
     status = StatusWriter(args.status_fd) if args.status_fd is not None else None
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         if scripted is not None:
             log.warning("scripted replies from %s: answers are replayed, not sampled (a test setup)",
                         args.scripted_replies)
-        kv_slots = max(args.kv_slots, args.batch)
+        kv_slots = resident_slot_count(args.kv_slots, args.batch)
         ctx = args.ctx or context_budget(engine, kv_slots, available_memory(), log)
         spiller = _spiller(args, engine, ctx)
         if spiller is not None:

@@ -46,15 +46,24 @@ log = logging.getLogger("lmserve.worker")
 Sender = Callable[[bytes, Message], None]
 
 
+def resident_slot_count(kv_slots: int, batch: int) -> int:
+    """Resident KV caches: --kv-slots, raised to --batch, since every stream of a batch holds one."""
+    return max(kv_slots, batch)
+
+
 @dataclass
 class SchedulerSettings:
     ctx: int = 4096  # per-request budget: prompt + completion
     queue: int = 16  # waiting requests beyond which new ones get BUSY
     batch: int = 1  # streams decoded together
-    kv_slots: int = 1  # resident caches (at least batch)
+    kv_slots: int = 1  # resident caches asked for (see slot_count)
     prefill_chunk: int = 256  # prompt tokens per step while others decode
     threads: int | None = None  # kernel threads of the engine thread (None: every core)
     scripted_replies: ScriptedReplies | None = None  # tests only: replay given tokens (worker/scripted.py)
+
+    @property
+    def slot_count(self) -> int:
+        return resident_slot_count(self.kv_slots, self.batch)
 
 
 @dataclass
@@ -89,7 +98,7 @@ class Scheduler:
         # requests whose grammar finished compiling, to be admitted by the IO thread
         self.compiled: deque[tuple[bytes, Stream, Any]] = deque()
         self.wake_io: Callable[[], None] = lambda: None  # set by the server
-        self.pool = SlotPool(engine.model, max(settings.kv_slots, settings.batch), settings.ctx)
+        self.pool = SlotPool(engine.model, settings.slot_count, settings.ctx)
         self.lock = threading.Lock()
         self.wakeup = threading.Event()
         self.waiting: deque[Stream] = deque()
@@ -228,14 +237,16 @@ class Scheduler:
     def run(self) -> None:
         kernels.set_threads(self.settings.threads)  # numba's thread count is per calling thread
         while not self.stopping:
-            self._admit()
+            self.admit()
             if not self.running:
                 self.wakeup.wait(0.05)
                 self.wakeup.clear()
                 continue
-            self._step()
+            self.step()
 
-    def _admit(self) -> None:
+    def admit(self) -> None:
+        """Move waiting streams into free batch places, each onto the KV slot that holds most of
+        its prompt (restored from the kvstore where it has more)."""
         while True:
             with self.lock:
                 if not self.waiting or len(self.running) >= self.settings.batch:
@@ -259,7 +270,9 @@ class Scheduler:
             with self.lock:
                 self.running.append(stream)
 
-    def _step(self) -> None:
+    def step(self) -> None:
+        """One weight pass for every running stream: a token each for decoding streams, a prompt
+        chunk for the others; then sample and send what it produced."""
         for stream in [s for s in self.running if s.aborted]:
             self._finish(stream, FinishReason.ABORT)
         batch: list[tuple[Stream, list[int]]] = []

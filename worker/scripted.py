@@ -108,7 +108,7 @@ class ScriptedSampler(Sampler):
         if not self.queue and self.then_sample:
             return super().sample(logits, allowed)
         token = self.queue.popleft() if self.queue else self.script.end_id
-        logprob, top = self._logprobs(self.adjusted_logits(logits, allowed), token)
+        logprob, top = self.logprobs(self.adjusted_logits(logits, allowed), token)
         self.accept(token)
         return SampledToken(token, logprob, top)
 

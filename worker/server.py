@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import zmq
 
 from shared.protocol import (
+    DEFAULT_ENDPOINT,
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
     HELLO_FIRST,
@@ -44,7 +45,7 @@ log = logging.getLogger("lmserve.worker")
 
 @dataclass
 class WorkerSettings:
-    endpoint: str = "tcp://127.0.0.1:5557"
+    endpoint: str = DEFAULT_ENDPOINT
     scheduler: SchedulerSettings = None  # type: ignore[assignment]
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     heartbeat_timeout: float = HEARTBEAT_TIMEOUT
@@ -86,7 +87,7 @@ class WorkerServer:
             tokenizer=engine.tokenizer.to_spec(),
             chat_template=engine.template.source if engine.template else None,
             fingerprint=engine.fingerprint, instance=self.instance,
-            capabilities={"batch": sched.batch, "kv_slots": max(sched.kv_slots, sched.batch),
+            capabilities={"batch": sched.batch, "kv_slots": sched.slot_count,
                           "queue": sched.queue, "grammar": True, "reasoning": False,
                           "kvstore": self.settings.spiller.store.describe() if self.settings.spiller else None,
                           "tool_convention": None, "worker": f"{socket.gethostname()}:{os.getpid()}"})

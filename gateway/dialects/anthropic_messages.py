@@ -26,7 +26,8 @@ from gateway.dialects.common import (
     one_constraint,
     stop_list,
 )
-from gateway.errors import ANTHROPIC, sse_error_payload
+from gateway.dialects import ANTHROPIC
+from gateway.errors import sse_error_payload
 from gateway.generation import Completion
 from gateway.neutral import (
     Event,

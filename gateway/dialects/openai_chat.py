@@ -19,7 +19,8 @@ from gateway.dialects.common import (
     reasoning_from_effort,
     stop_list,
 )
-from gateway.errors import CHAT, sse_error_payload
+from gateway.dialects import CHAT
+from gateway.errors import sse_error_payload
 from gateway.generation import Completion
 from gateway.neutral import (
     Event,
@@ -91,19 +92,16 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         if not -100 <= value <= 100:
             raise InvalidRequestError(f"'logit_bias.{key}' must be between -100 and 100", param="logit_bias")
         bias[int(key)] = float(value)
-    try:
-        sampling = SamplingParams(
-            temperature=number_in(body, "temperature", 0, 2, default=1.0),
-            top_p=number_in(body, "top_p", 0, 1, default=1.0) or 1e-9,
-            top_k=number_in(body, "top_k", 0, 1 << 20, integer=True, default=0),
-            min_p=number_in(body, "min_p", 0, 1, default=0.0),
-            seed=field(body, "seed", int),
-            presence_penalty=number_in(body, "presence_penalty", -2, 2, default=0.0),
-            frequency_penalty=number_in(body, "frequency_penalty", -2, 2, default=0.0),
-            repetition_penalty=number_in(body, "repetition_penalty", 0.01, 10, default=1.0),
-            logit_bias=bias, logprobs=logprobs, top_logprobs=top_logprobs)
-    except InvalidRequestError:
-        raise
+    sampling = SamplingParams(
+        temperature=number_in(body, "temperature", 0, 2, default=1.0),
+        top_p=number_in(body, "top_p", 0, 1, default=1.0) or 1e-9,
+        top_k=number_in(body, "top_k", 0, 1 << 20, integer=True, default=0),
+        min_p=number_in(body, "min_p", 0, 1, default=0.0),
+        seed=field(body, "seed", int),
+        presence_penalty=number_in(body, "presence_penalty", -2, 2, default=0.0),
+        frequency_penalty=number_in(body, "frequency_penalty", -2, 2, default=0.0),
+        repetition_penalty=number_in(body, "repetition_penalty", 0.01, 10, default=1.0),
+        logit_bias=bias, logprobs=logprobs, top_logprobs=top_logprobs)
     effort = field(body, "reasoning_effort", str)
     return NeutralRequest(
         dialect=CHAT,

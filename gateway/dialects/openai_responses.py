@@ -49,7 +49,8 @@ from gateway.dialects.common import (
     one_constraint,
     reasoning_from_effort,
 )
-from gateway.errors import RESPONSES, error_body
+from gateway.dialects import RESPONSES
+from gateway.errors import error_body
 from gateway.generation import Completion
 from gateway.neutral import (
     Event,

@@ -16,8 +16,8 @@ import yaml
 from conftest import REPO, ChildProcess, free_port
 
 from gateway.flags import build_parser as gateway_parser
-from shared import settings
-from shared.serve import build_parser as serve_parser
+from launcher.flags import build_parser as serve_parser
+from shared.command_line import ENV_PREFIX, env_name
 from worker.flags import build_parser as worker_parser
 
 DEPLOY = REPO / "deploy"
@@ -39,9 +39,9 @@ def kubernetes_documents() -> list[dict]:
 
 def role_env_names(role: str) -> set[str]:
     parser = ROLE_PARSERS[role]()
-    names = {settings.env_name(action.option_strings[-1]) for action in settings.option_actions(parser)}
-    if any(action.dest == "model" for action in parser._actions):
-        names.add(settings.env_name("--model"))
+    names = {env_name(action.option_strings[-1]) for action in parser.options}
+    if any(action.dest == "model" for action in parser.arguments):
+        names.add(env_name("--model"))
     return names
 
 
@@ -51,10 +51,10 @@ def parse_command(command: list[str], env: dict[str, str], monkeypatch: pytest.M
     assert command[0] == "lmserve", command
     role, rest = command[1], command[2:]
     assert role in ROLE_PARSERS, f"unknown role {role!r}"
-    unknown = {name for name in env if name.startswith(settings.ENV_PREFIX)} - role_env_names(role)
+    unknown = {name for name in env if name.startswith(ENV_PREFIX)} - role_env_names(role)
     assert not unknown, f"{role}: {sorted(unknown)} name no flag of lmserve {role}"
     for name in list(os.environ):
-        if name.startswith(settings.ENV_PREFIX):
+        if name.startswith(ENV_PREFIX):
             monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

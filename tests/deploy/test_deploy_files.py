@@ -40,6 +40,9 @@ def test_dockerfile_builds_one_image_whose_command_picks_the_role(monkeypatch):
     cmd = re.search(r"^CMD (\[.*\])$", text, re.MULTILINE)
     role, args = parse_command(json.loads(cmd.group(1)), {}, monkeypatch)
     assert role == "serve" and args.model.startswith("/models/") and args.host == "0.0.0.0"
+    packages = re.findall(r'"(\w+)\*"', (REPO / "pyproject.toml").read_text())
+    assert packages and all(re.search(rf"^COPY {p} ./{p}$", text, re.MULTILINE) for p in packages), \
+        "the image lacks a package that pyproject.toml installs"
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".git" in ignored and "*.gguf" in ignored
 

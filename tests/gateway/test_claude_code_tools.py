@@ -87,18 +87,19 @@ def test_forced_grammars_over_claude_codes_whole_tool_set_compile(vocabulary, to
 
     import llguidance as llg
 
+    from gateway.dialects import ANTHROPIC
     from gateway.neutral import NeutralRequest
-    from gateway.tool_calls import _call_schema, hermes_lark
+    from gateway.tool_calls import call_schema, hermes_lark
     from worker.grammar import GrammarEngine
 
     tokenizer = tokenizers[vocabulary]
     engine = GrammarEngine(tokenizer, tokenizer.vocab_size)
-    request = NeutralRequest(dialect="anthropic", model="m", messages=[], tool_choice={"type": "any"},
+    request = NeutralRequest(dialect=ANTHROPIC, model="m", messages=[], tool_choice={"type": "any"},
                              tools=[{"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"]}}
                                     for t in TOOLS])
     if vocabulary == "smollm2":
         grammar = engine.compile("json_schema", json.dumps(
-            {"anyOf": [_call_schema(request, tool, whitespace=False) for tool in request.tools]}))
+            {"anyOf": [call_schema(request, tool, whitespace=False) for tool in request.tools]}))
         call = '{"name":"Glob","arguments":{"pattern":"**/*.py"}}'
     else:
         grammar = engine.compile("lark", hermes_lark(request, request.tools, parallel=True))

@@ -44,7 +44,7 @@ def test_metadata_without_data_counts_as_absent(store, tmp_path):
     if isinstance(store, RedisStore):
         store.client.delete(key + ":data")  # evicted by Redis
     else:
-        store._paths(key)[0].unlink()
+        store.files(key)[0].unlink()
     assert store.get(key) is None
     assert store.present([key]) == 0  # the lying record is gone
 
@@ -87,7 +87,7 @@ def test_directory_corrupt_file_is_a_miss_upstream(tmp_path):
     store = DirectoryStore(tmp_path / "kv", max_bytes=1 << 30)
     key = "lmserve:kv:" + "12" * 20
     store.put(key, *_chunk(5).encode())
-    store._paths(key)[0].write_bytes(b"garbage")
+    store.files(key)[0].write_bytes(b"garbage")
     data, meta = store.get(key)
     with pytest.raises(ValueError):
         KVChunk.decode(data, meta, K_SHAPE, V_SHAPE, "float16")

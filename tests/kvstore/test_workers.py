@@ -7,8 +7,8 @@ import time
 import numpy as np
 from conftest import run
 
+from gateway.worker_client import WorkerClient
 from shared.protocol import Finished, Generate
-from shared.worker_client import WorkerClient
 
 PROMPT = np.random.default_rng(11).integers(100, 40000, 300).tolist()  # four 64-token chunks + 44
 

@@ -40,14 +40,14 @@ def _run(engine, fault=None, batch=3):
     scheduler = Scheduler(engine, SchedulerSettings(ctx=128, batch=batch, kv_slots=batch), outbox)
     for i in range(3):
         scheduler.submit(b"gw", Generate(f"r{i}", [5 + i, 17, 300 + i], {"temperature": 0.0}, 12, stop_ids=[]))
-    scheduler._admit()
+    scheduler.admit()
     if fault:
         fault(scheduler)
     for _ in range(100):
         if not scheduler.running and not scheduler.waiting:
             break
-        scheduler._admit()
-        scheduler._step()
+        scheduler.admit()
+        scheduler.step()
     return outbox
 
 
@@ -102,12 +102,12 @@ def test_abort_of_a_running_stream_frees_its_slot(engine):
     scheduler = Scheduler(engine, SchedulerSettings(ctx=128, batch=1, kv_slots=1, queue=4), outbox)
     scheduler.submit(b"gw", Generate("a", [1, 2, 3], {"temperature": 0.0}, 50, stop_ids=[]))
     scheduler.submit(b"gw", Generate("b", [1, 2, 4], {"temperature": 0.0}, 3, stop_ids=[]))
-    scheduler._admit()
-    scheduler._step()
+    scheduler.admit()
+    scheduler.step()
     scheduler.abort(b"gw", "a")
     for _ in range(20):
-        scheduler._admit()
-        scheduler._step()
+        scheduler.admit()
+        scheduler.step()
     finished = outbox.finished()
     assert finished["a"].reason == "abort"
     assert finished["b"].reason == "length"
@@ -141,8 +141,8 @@ def test_grammar_streams_and_a_free_stream_share_a_batch(engine):
     for _ in range(200):
         if not scheduler.running and not scheduler.waiting:
             break
-        scheduler._admit()
-        scheduler._step()
+        scheduler.admit()
+        scheduler.step()
     finished = outbox.finished()
     text = {rid: engine.tokenizer.decode(outbox.tokens(rid), skip_special=True) for rid in finished}
     assert finished["free"].reason == "length"
@@ -187,7 +187,7 @@ def test_a_matcher_that_fails_mid_stream_ends_only_its_stream(engine):
     scheduler.submit(b"gw", Generate("steady", [5, 17, 301], {"temperature": 0.0}, 60, grammar=spec))
     scheduler.submit(b"gw", Generate("free", [5, 17, 302], {"temperature": 0.0}, 6, stop_ids=[]))
     grammar.pool.shutdown(wait=True)
-    scheduler._admit()
+    scheduler.admit()
     doomed = next(s for s in scheduler.running if s.request.request_id == "doomed")
     for step in range(60):
         if not scheduler.running and not scheduler.waiting:
@@ -197,8 +197,8 @@ def test_a_matcher_that_fails_mid_stream_ends_only_its_stream(engine):
             assert doomed in scheduler.running
             assert not doomed.matcher.consume_token(engine.tokenizer.encode("7", add_special=False)[0])
             assert doomed.matcher.is_error()
-        scheduler._admit()
-        scheduler._step()
+        scheduler.admit()
+        scheduler.step()
     finished = outbox.finished()
     assert finished["doomed"].reason == "error" and "grammar matcher failed" in finished["doomed"].error
     assert 1 <= len(outbox.tokens("doomed")) <= 3

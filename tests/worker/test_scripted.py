@@ -34,10 +34,10 @@ def run(engine: Engine, script: ScriptedReplies, prompts: dict[str, list[int]]) 
     for rid, prompt in prompts.items():  # one at a time, so the unkeyed turn order is the submit order
         scheduler.submit(b"gw", Generate(rid, prompt, {"temperature": 1.0, "logprobs": True}, 20))
         for _ in range(60):
-            scheduler._admit()
+            scheduler.admit()
             if not scheduler.running:
                 break
-            scheduler._step()
+            scheduler.step()
     return sent
 
 

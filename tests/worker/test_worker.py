@@ -16,11 +16,11 @@ import pytest
 import zmq
 from conftest import REPO, run
 
+from gateway.worker_client import WorkerClient
 from shared.chat_template import ChatTemplate
 from shared.errors import BusyError, InvalidRequestError, WorkerUnavailableError
 from shared.protocol import PROTOCOL_VERSION, Accepted, Finished, Generate, Tokens
 from shared.tokenizer import Tokenizer
-from shared.worker_client import WorkerClient
 
 QUESTIONS = [
     "Name the capital city of France.",
@@ -261,8 +261,8 @@ def test_context_budget_ends_generation(sequential_worker):
 
 KILLED_GATEWAY = textwrap.dedent("""
     import asyncio, sys
+    from gateway.worker_client import WorkerClient
     from shared.protocol import Generate
-    from shared.worker_client import WorkerClient
     async def main():
         client = WorkerClient(sys.argv[1])
         await client.start()

@@ -66,7 +66,7 @@ class Sampler:
             token = int(np.argmax(scores))
         else:
             token = self._draw(scores)
-        logprob, top = self._logprobs(scores, token)
+        logprob, top = self.logprobs(scores, token)
         self.accept(token)
         return SampledToken(token, logprob, top)
 
@@ -94,7 +94,9 @@ class Sampler:
         pick = int(np.searchsorted(total, self.rng.random() * total[-1], side="right"))
         return int(candidates[min(pick, candidates.size - 1)])
 
-    def _logprobs(self, scores: np.ndarray, token: int) -> tuple[float, list[tuple[int, float]]]:
+    def logprobs(self, scores: np.ndarray, token: int) -> tuple[float, list[tuple[int, float]]]:
+        """The chosen token's logprob and the likeliest alternatives, as far as the params ask
+        (a scripted sampler reports these for tokens it did not draw)."""
         p = self.params
         if not p.logprobs and not p.top_logprobs:
             return 0.0, []

@@ -20,7 +20,7 @@ from conftest import REPO, free_port
 def served(default_model, tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("serve") / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", "--port", str(port)],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -79,7 +79,7 @@ class Served:
         self.stdout: list[str] = []
         self.stderr = bytearray()
         err_read, err_write = pty.openpty() if tty else os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--port", str(self.port), *flags],
+        self.proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", "--port", str(self.port), *flags],
                                      cwd=REPO, stdout=subprocess.PIPE, stderr=err_write, text=True)
         os.close(err_write)
         threading.Thread(target=self._read_stdout, daemon=True).start()

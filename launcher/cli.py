@@ -14,7 +14,7 @@ import sys
 from shared.errors import LmserveError
 
 COMMANDS = {
-    "serve": "shared.serve",
+    "serve": "launcher.serve",
     "worker": "worker.main",
     "gateway": "gateway.main",
     "generate": "worker.generate",

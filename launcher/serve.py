@@ -10,7 +10,7 @@ gateway answers, and takes them all down together:
 - If any child dies, the command names it, stops the others and exits non-zero.
 - The children run in their own process group (a terminal's Ctrl-C reaches only this process,
   which orders the shutdown) and die with this process even if it is killed outright
-  (see ``shared.supervised``).
+  (see ``launcher.supervised``).
 """
 
 from __future__ import annotations
@@ -28,26 +28,16 @@ from dataclasses import dataclass, field
 
 from gateway.access_log import GATEWAY_HEADER
 from gateway.edge import is_loopback
-from gateway.flags import add_gateway_flags
 from gateway.flags import build_parser as gateway_parser
-from shared import settings as flags
+from launcher.flags import build_parser, to_argv
+from shared.command_line import env_name
 from shared.load_progress import ProgressBar, parse_status
 from worker.flags import build_parser as worker_parser
+from worker.flags import check_worker_flags
 
 POLL_INTERVAL = 0.1  # seconds between looks at the children
 GATEWAYS_READY_WAIT = 10.0  # after the first healthy answer, how long to wait to hear from every gateway
 WORKER_STOP_WAIT = 15.0  # a forward pass in progress finishes before the worker exits
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = flags.new_parser("lmserve serve", "Run a worker and gateway(s) on this machine.")
-    flags.add_model_flags(p)
-    add_gateway_flags(p)
-    p.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the port")
-    p.add_argument("--worker", default="",
-                   help="ZeroMQ endpoint between the gateways and the worker (default: a free loopback port)")
-    flags.add_worker_flags(p)
-    return p
 
 
 def _free_tcp_endpoint() -> str:
@@ -101,12 +91,12 @@ class Stack:
     # --- starting ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        python = [sys.executable, "-m", "shared.supervised", str(os.getpid())]
+        python = [sys.executable, "-m", "launcher.supervised", str(os.getpid())]
         # Own process group: a terminal's Ctrl-C reaches only us, and we stop the children in order.
         common = {"stdin": subprocess.DEVNULL, "process_group": 0}
         status_read, status_write = os.pipe()
         self.children.append(Child("the worker", subprocess.Popen(
-            python + ["worker", self.args.model, *flags.to_argv(worker_parser(), self.args),
+            python + ["worker", self.args.model, *to_argv(worker_parser(), self.args),
                       "--status-fd", str(status_write)],
             pass_fds=(status_write,), **common), gateway=False))
         os.close(status_write)
@@ -114,8 +104,8 @@ class Stack:
         os.set_blocking(status_read, False)
         # Gateways start at once: they answer 503 while the worker loads and find it by themselves.
         # The API key travels in the environment: a command line is visible to every local user.
-        gateway_env = {**os.environ, flags.env_name("--api-key"): self.args.api_key or ""}
-        gateway_argv = flags.to_argv(gateway_parser(), self.args, skip=lambda a: a.dest == "api_key")
+        gateway_env = {**os.environ, env_name("--api-key"): self.args.api_key or ""}
+        gateway_argv = to_argv(gateway_parser(), self.args, skip=lambda a: a.dest == "api_key")
         for i in range(self.args.gateways):
             self.children.append(Child(f"gateway {i + 1}", subprocess.Popen(
                 python + ["gateway", *gateway_argv], env=gateway_env, **common), gateway=True))
@@ -286,7 +276,7 @@ def health(args: argparse.Namespace, timeout: float = 2.0) -> tuple[int, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    flags.check_worker_flags(parser, args)
+    check_worker_flags(parser, args)
     if args.gateways < 1:
         parser.error("--gateways must be at least 1")
     if args.conns < 1 or args.max_body < 1:

@@ -1,6 +1,6 @@
 """Run one role as a child of ``lmserve serve``, bound to the parent's life.
 
-    python -m shared.supervised PARENT_PID worker|gateway [flags]
+    python -m launcher.supervised PARENT_PID worker|gateway [flags]
 
 The parent stops its children in order on Ctrl-C or SIGTERM, but a parent killed outright
 (SIGKILL, the OOM killer) runs no code at all. So each child asks the kernel for SIGTERM the
@@ -43,10 +43,10 @@ def _watch_parent(parent_pid: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2 or not argv[0].isdigit():
-        print("usage: python -m shared.supervised PARENT_PID COMMAND [flags]", file=sys.stderr)
+        print("usage: python -m launcher.supervised PARENT_PID COMMAND [flags]", file=sys.stderr)
         return 2
     die_with_parent(int(argv[0]))
-    from shared.cli import main as cli_main
+    from launcher.cli import main as cli_main
     return cli_main(argv[1:])
 
 
