@@ -107,3 +107,26 @@ def test_nucleus_matches_a_full_sort(flatness):
         expected = order[:int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1]
         got = nucleus(probs, top_p)
         assert set(got.tolist()) == set(expected.tolist()), (flatness, top_p, len(got), len(expected))
+
+
+@pytest.mark.parametrize("flatness", [0.5, 3.0, 30.0])
+@pytest.mark.parametrize("top_p, min_p", [(0.9, 0.0), (0.5, 0.05), (1.0, 0.01), (1.0, 1e-6), (0.999, 0.0)])
+def test_truncation_matches_the_whole_vocabulary(flatness, top_p, min_p):
+    """Top-p and min-p judged on the likely tokens only keep exactly what they keep judged on
+    every token, from peaked to flat distributions (where the shortcut must step aside)."""
+    from worker.engine.sampling import truncated
+    rng = np.random.default_rng(int(flatness * 7))
+    logits = (rng.standard_normal(50_000) * flatness).astype(np.float32)
+    logits[rng.integers(0, 50_000, 10)] += 12.0 / flatness  # a few standouts
+    ids = np.arange(50_000)
+    probs = np.exp(logits.astype(np.float64) - logits.max())
+    probs /= probs.sum()
+    keep = np.ones(50_000, dtype=bool)
+    if top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        keep[:] = False
+        keep[order[:int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1]] = True
+    if min_p > 0:
+        keep &= probs >= min_p * probs.max()
+    got = truncated(ids, logits, top_p, min_p)
+    assert set(got.tolist()) == set(ids[keep].tolist())

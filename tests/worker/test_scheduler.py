@@ -84,9 +84,10 @@ def test_a_weight_pass_that_fails_for_one_stream_ends_only_that_stream(engine):
                     raise MemoryError("simulated allocation failure")
                 return original(layer, *args)
             return storing
-        # a layer stores its keys through one or the other (compiled block steps or not)
+        # a layer reaches its keys once through one of these: the op-by-op path writes them; the
+        # compiled steps (a batch's store_and_attend, a lone sequence's block) take the arrays
         cache.write = fail_on_third_pass(cache.write)
-        cache.store_and_attend = fail_on_third_pass(cache.store_and_attend)
+        cache.kernel_arrays = fail_on_third_pass(cache.kernel_arrays)
 
     broken = _run(engine, break_cache)
     finished = broken.finished()

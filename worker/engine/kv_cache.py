@@ -69,8 +69,12 @@ class KVCache:
                          window: int | None, out: np.ndarray) -> np.ndarray:
         """``write`` and attention over the result in one compiled call (``attention.store_and_attend``):
         q [T, H, d], k [T, K, d], v [T, K, dv] float32, C-ordered; out [T, H*dv]."""
-        return attention.store_and_attend(q, k, v, kernel_view(self.keys[layer]), kernel_view(self.values[layer]),
-                                          self.length, np.float32(scale), window or 0, np.float32(0.0), out)
+        return attention.store_and_attend(q, k, v, *self.kernel_arrays(layer), self.length, np.float32(scale),
+                                          window or 0, np.float32(0.0), out)
+
+    def kernel_arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """A layer's keys and values as the compiled attention reads them (``kernel_view``)."""
+        return kernel_view(self.keys[layer]), kernel_view(self.values[layer])
 
     def commit(self, token_ids: list[int]) -> None:
         self.length += len(token_ids)

@@ -290,6 +290,11 @@ class DecoderModel:
         spec = self.fused[i]
         if spec is None or spec.swiglu is None:
             return self.swiglu_half(i, self.attention_half(i, x, fp, window))
+        if len(fp.caches) == 1:  # one sequence (a lone stream's step, a prefill chunk): one call
+            hp, cache = self.hp, fp.caches[0]
+            rope = (fp.cos, fp.sin, self.rope_adjacent, hp.n_head, hp.n_head_kv, hp.head_dim, hp.value_dim)
+            return fused.dense_block(x, spec.attention, rope, *cache.kernel_arrays(i), cache.length,
+                                     np.float32(self.attn_scale), window or 0, np.float32(0.0), spec.output, spec.swiglu)
         attn = self._fused_attention(i, x, fp, window)
         return fused.attention_output_swiglu(x, attn, *spec.output, *spec.swiglu)
 

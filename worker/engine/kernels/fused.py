@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from worker.engine.kernels import matmul, rowwise
+from worker.engine.kernels import attention, matmul, rowwise
 from worker.engine.kernels.activations import BLOCK, quantize_rows
 from worker.engine.kernels.attention import exp_nonpositive, exp_nonpositive8
 from worker.engine.kernels.simd import (abs_f32, add_f32, div_f32, load_f32x8, mul_f32, splat_f32, store_f32x8, sub_f32,
@@ -187,3 +187,18 @@ def attention_output_swiglu(x, attn, wo, kind_o, norm, eps, wg, wu, wd, kinds, n
     """``attention_output`` then ``swiglu``: the second half of a dense block in one call."""
     attention_output(x, attn, wo, kind_o)
     return swiglu(x, norm, eps, wg, wu, wd, kinds, n_ff)
+
+
+@njit(cache=True)
+def dense_block(x, attention_spec, rope, keys, values, first_pos, scale, window, softcap, output_spec,
+                swiglu_spec):
+    """A whole pre-norm block of one sequence in one call: ``attention_inputs``, the cache write
+    and attention (``attention.store_and_attend``), ``attention_output_swiglu``. The specs are
+    those functions' argument tuples (``model.FusedLayer``); rope: (cos, sin, adjacent, n_head,
+    n_kv, head_dim, value_dim). A decode step of a small model pays for each call from Python
+    about as much as for a layer's norms and rounding."""
+    n_head, value_dim = rope[3], rope[6]
+    q, k, v = attention_inputs(x, *attention_spec, *rope)
+    attn = np.empty((x.shape[0], n_head * value_dim), dtype=np.float32)
+    attention.store_and_attend(q, k, v, keys, values, first_pos, scale, window, softcap, attn)
+    return attention_output_swiglu(x, attn, *output_spec, *swiglu_spec)
