@@ -67,15 +67,18 @@ TOOLS = [
 
 
 def test_a_forced_call_over_claude_codes_tools_compiles_and_validates(stack):
+    """tool_choice any: the grammar offers every one of the tools, and the call the model makes
+    under it keeps to the schema of the tool it names."""
     client = anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0, timeout=300)
     reply = client.messages.create(
-        model="claude-sonnet-4-6", max_tokens=160, tools=TOOLS, tool_choice={"type": "tool", "name": "Glob"},
+        model="claude-sonnet-4-6", max_tokens=160, tools=TOOLS, tool_choice={"type": "any"},
         messages=[{"role": "user", "content": "Find every Python file in the project."}],
         extra_body={"temperature": 0})
     calls = [block for block in reply.content if block.type == "tool_use"]
-    assert reply.stop_reason == "tool_use" and calls and calls[0].name == "Glob"
-    jsonschema.validate(calls[0].input, TOOLS[5]["input_schema"])
-    assert len(TOOLS) == 32
+    assert reply.stop_reason == "tool_use" and calls
+    schemas = {tool["name"]: tool["input_schema"] for tool in TOOLS}
+    for call in calls:
+        jsonschema.validate(call.input, schemas[call.name])
 
 
 @pytest.mark.parametrize("vocabulary", ["smollm2", "qwen3"])
