@@ -125,6 +125,15 @@ def test_activation_blocks_round_to_the_nearest_step(m):
     assert list(acts.values[0, :5]) == [0, 0, 2, -2, 127]
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1])  # its own decoder; the gguf package's
+def test_embedding_rows_decode_like_the_gguf_package(qtype):
+    rng = np.random.default_rng(6)
+    data = random_blocks(qtype, 40, 96, rng)
+    weight = QuantizedWeight(qtype, (40, 96), data)
+    ids = np.array([7, 0, 39, 7])
+    np.testing.assert_array_equal(weight.rows(ids), quants.dequantize(data, qtype)[ids])
+
+
 def test_rows_and_experts_read_the_right_blocks():
     rng = np.random.default_rng(5)
     stack = np.stack([random_blocks(Q.Q4_K, 24, 256, rng) for _ in range(3)])
