@@ -66,16 +66,17 @@ TOOLS = [
 ]
 
 
-def test_a_forced_call_over_claude_codes_tools_compiles_and_validates(stack):
+def test_a_forced_call_among_claude_codes_tools_validates(stack):
+    """The whole tool set is taken as Claude Code sends it, and a call forced to one of its tools
+    comes back as a tool_use block whose input keeps to that tool's schema."""
     client = anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0, timeout=300)
     reply = client.messages.create(
         model="claude-sonnet-4-6", max_tokens=160, tools=TOOLS, tool_choice={"type": "tool", "name": "Glob"},
         messages=[{"role": "user", "content": "Find every Python file in the project."}],
         extra_body={"temperature": 0})
     calls = [block for block in reply.content if block.type == "tool_use"]
-    assert reply.stop_reason == "tool_use" and calls and calls[0].name == "Glob"
-    jsonschema.validate(calls[0].input, TOOLS[5]["input_schema"])
-    assert len(TOOLS) == 32
+    assert reply.stop_reason == "tool_use" and [call.name for call in calls] == ["Glob"]
+    jsonschema.validate(calls[0].input, next(t["input_schema"] for t in TOOLS if t["name"] == "Glob"))
 
 
 @pytest.mark.parametrize("vocabulary", ["smollm2", "qwen3"])

@@ -159,6 +159,11 @@ def test_x_api_key_on_chat_still_gets_openai_errors(stack):
 
 
 def test_refusal_parts_in_history_are_read(client):
-    history = PARIS + [{"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
-                       {"role": "user", "content": "Please?"}]
-    assert client.chat.completions.create(model="m", messages=history, max_tokens=2).usage.completion_tokens == 2
+    """A refusal part is the assistant's words: the prompt is the one the same words as text give."""
+    def prompt_tokens(assistant_content) -> int:
+        history = PARIS + [{"role": "assistant", "content": assistant_content}, {"role": "user", "content": "Please?"}]
+        return client.chat.completions.create(model="m", messages=history, max_tokens=1).usage.prompt_tokens
+
+    refused = prompt_tokens([{"type": "refusal", "refusal": "I cannot name cities today."}])
+    assert refused == prompt_tokens("I cannot name cities today.")
+    assert refused > prompt_tokens("No.")

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
-from conftest import run
+from conftest import WorkerProcess, run, wait_until
 
 from gateway.worker_client import WorkerClient
+from kvstore.chunks import chunk_keys
+from kvstore.store import DirectoryStore, KVStore, RedisStore
 from shared.protocol import Finished, Generate
 
+CHUNK_TOKENS = 64
 PROMPT = np.random.default_rng(11).integers(100, 40000, 300).tolist()  # four 64-token chunks + 44
+SPILL_WAIT = 30.0  # seconds; a background thread writes a request's chunks after it ends
+
+
+def wait_for_spill(store: KVStore, worker: WorkerProcess, prompt: list[int]) -> bool:
+    """Whether every full chunk of ``prompt`` lands whole in ``store`` (metadata is written last)."""
+    keys = chunk_keys(worker.card().fingerprint, prompt, CHUNK_TOKENS)
+    return wait_until(lambda: store.present(keys) == len(keys), SPILL_WAIT)
 
 
 async def _ask(endpoint: str, prompt: list[int]) -> Finished:
@@ -27,31 +35,23 @@ async def _ask(endpoint: str, prompt: list[int]) -> Finished:
         await client.close()
 
 
-def _ask_until_cached(endpoint: str, prompt: list[int], minimum: int, tries: int = 20) -> Finished:
-    """The spill is written off the decode path: give it a moment to land."""
-    finished = run(_ask(endpoint, prompt))
-    while finished.cached_tokens < minimum and tries:
-        time.sleep(0.3)
-        tries -= 1
-        finished = run(_ask(endpoint, prompt))
-    return finished
-
-
 def test_a_second_worker_restores_what_the_first_spilled(start_redis, start_worker, default_model):
     redis = start_redis()
-    flags = ("--kv-store", redis.url, "--kv-chunk", "64", "--ctx", "1024")
+    flags = ("--kv-store", redis.url, "--kv-chunk", str(CHUNK_TOKENS), "--ctx", "1024")
     first, second = start_worker(default_model, *flags), start_worker(default_model, *flags)
     assert run(_ask(first.endpoint, PROMPT)).cached_tokens == 0
-    time.sleep(1.0)
+    assert wait_for_spill(RedisStore(redis.url), first, PROMPT)
     restored = run(_ask(second.endpoint, PROMPT + [5, 6, 7]))
     assert restored.cached_tokens == 256
     assert restored.completion_tokens == 3
 
 
 def test_a_restarted_worker_restores_from_its_directory(start_worker, default_model, tmp_path):
-    worker = start_worker(default_model, "--kv-cache-dir", str(tmp_path / "kv"), "--kv-chunk", "64", "--ctx", "1024")
+    directory = tmp_path / "kv"
+    worker = start_worker(default_model, "--kv-cache-dir", str(directory), "--kv-chunk", str(CHUNK_TOKENS),
+                          "--ctx", "1024")
     assert run(_ask(worker.endpoint, PROMPT)).cached_tokens == 0
-    time.sleep(1.0)
+    assert wait_for_spill(DirectoryStore(directory, max_bytes=1 << 30), worker, PROMPT)
     worker.kill()  # not even a clean shutdown: the chunks were written when the request ended
     worker.start()
     worker.wait_ready()
@@ -61,7 +61,7 @@ def test_a_restarted_worker_restores_from_its_directory(start_worker, default_mo
 
 def test_redis_killed_mid_run_degrades_to_misses(start_redis, start_worker, default_model):
     redis = start_redis()
-    worker = start_worker(default_model, "--kv-store", redis.url, "--kv-chunk", "64", "--ctx", "1024",
+    worker = start_worker(default_model, "--kv-store", redis.url, "--kv-chunk", str(CHUNK_TOKENS), "--ctx", "1024",
                           "--kv-slots", "1")
     assert run(_ask(worker.endpoint, PROMPT)).reason == "length"
     redis.kill()
