@@ -33,7 +33,7 @@ import numpy as np
 from shared.errors import InvalidRequestError
 from shared.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: MODEL_CARD capabilities as a typed struct
 # Where a worker binds and a gateway connects when no --worker is given: this machine.
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 HEARTBEAT_INTERVAL = 1.0  # seconds between heartbeats, both directions
@@ -92,6 +92,39 @@ class Hello(Message):
 
 
 @dataclass
+class Tags:
+    """The pair of markers around a block of a reply, such as ``<think>`` and ``</think>``."""
+    open: str
+    close: str
+
+
+@dataclass
+class Capabilities:
+    """What the model and its worker can do, decided once by the worker from the GGUF's
+    vocabulary and chat template (worker/capabilities.py); a gateway reads it and never
+    re-derives it."""
+    context_length: int  # the model's trained context
+    reasoning_tags: Tags  # where a reasoning block starts and ends in a reply
+    reasoning: bool = False  # the template switches reasoning on and off on request
+    tool_call_tags: Tags | None = None  # calls as Hermes blocks between these; None: no convention
+    vision: bool = False  # image inputs
+    grammar: bool = True  # constrained decoding
+    batch: int = 1  # streams decoded together
+    kv_slots: int = 1
+    queue: int = 16
+    kvstore: str | None = None  # the kvstore's description, None without one
+    worker: str = ""  # host:pid of the worker process
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> "Capabilities":
+        known = {k: v for k, v in body.items() if k in {f.name for f in fields(cls)}}
+        for name in ("reasoning_tags", "tool_call_tags"):
+            if known.get(name) is not None:
+                known[name] = Tags(**known[name])
+        return cls(**known)
+
+
+@dataclass
 class ModelCard(Message):
     TYPE = MsgType.MODEL_CARD
     version: int
@@ -102,8 +135,14 @@ class ModelCard(Message):
     tokenizer: dict[str, Any]  # shared.tokenizer.Tokenizer.to_spec()
     chat_template: str | None
     fingerprint: str
+    capabilities: Capabilities
     instance: str = ""  # new on every worker start: a change means in-flight work is lost
-    capabilities: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], raw: list[bytes]) -> "ModelCard":
+        card = super().from_body(body, raw)
+        card.capabilities = Capabilities.from_wire(body["capabilities"])
+        return card
 
 
 @dataclass

@@ -46,14 +46,15 @@ class _Vocabulary:
 
 
 class GrammarEngine:
-    def __init__(self, tokenizer: Tokenizer, n_vocab: int, threads: int = 1):
+    def __init__(self, tokenizer: Tokenizer, n_vocab: int, threads: int = 1, reasoning_close: str | None = None):
         self.tokenizer = tokenizer
         self.n_vocab = n_vocab
         self._ll_tokenizer: llg.LLTokenizer | None = None
         self._lock = threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
         self.executor = llg.LLExecutor()
-        self.think_close = tokenizer.piece_to_id("</think>")
+        # where a grammar that waits for the end of reasoning starts (GENERATE grammar_after_reasoning)
+        self.think_close = tokenizer.piece_to_id(reasoning_close) if reasoning_close else None
         self.pool.submit(self.ll_tokenizer)  # build it now (about half a second), off the IO thread
 
     def ll_tokenizer(self) -> llg.LLTokenizer:

@@ -91,6 +91,7 @@ def test_forced_grammars_over_claude_codes_whole_tool_set_compile(vocabulary, to
     from gateway.dialects import ANTHROPIC
     from gateway.neutral import NeutralRequest
     from gateway.tool_calls import call_schema, hermes_lark
+    from worker.capabilities import HERMES_CALL_TAGS
     from worker.grammar import GrammarEngine
 
     tokenizer = tokenizers[vocabulary]
@@ -103,7 +104,7 @@ def test_forced_grammars_over_claude_codes_whole_tool_set_compile(vocabulary, to
             {"anyOf": [call_schema(request, tool, whitespace=False) for tool in request.tools]}))
         call = '{"name":"Glob","arguments":{"pattern":"**/*.py"}}'
     else:
-        grammar = engine.compile("lark", hermes_lark(request, request.tools, parallel=True))
+        grammar = engine.compile("lark", hermes_lark(request, request.tools, HERMES_CALL_TAGS, parallel=True))
         call = '<tool_call>\n{"name": "Glob", "arguments": {"pattern": "**/*.py"}}\n</tool_call>'
     matcher = llg.LLMatcher(engine.ll_tokenizer(), grammar)
     assert not matcher.is_error()

@@ -80,7 +80,9 @@ def test_model_card_describes_the_model(batch_worker):
     assert card.architecture == "llama"
     assert card.n_vocab == 49152
     assert card.context_budget == 8192  # no --ctx: the model's trained context (llama.context_length)
-    assert card.capabilities["batch"] == 4
+    capabilities = card.capabilities
+    assert (capabilities.batch, capabilities.kv_slots, capabilities.context_length) == (4, 6, 8192)
+    assert not capabilities.reasoning and capabilities.tool_call_tags is None  # SmolLM2 has neither
     assert "<|im_start|>" in card.chat_template
     assert Tokenizer.from_spec(card.tokenizer).vocab_size == 49152
 
