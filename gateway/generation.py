@@ -29,10 +29,10 @@ from gateway.prompting import ModelView
 from gateway.stop_strings import StopStringMatcher, partial_suffix
 from gateway.worker_client import WorkerClient
 from shared.errors import ShuttingDownError, WorkerUnavailableError
-from shared.protocol import Accepted, Finished, Generate, Tags, Tokens
+from shared.protocol import Accepted, Finished, FinishReason, Generate, Grammar, Tags, Tokens
 
-WORKER_REASONS = {"stop": "stop", "length": "length", "context": "context", "error": "error",
-                  "abort": "stop_sequence"}
+WORKER_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CONTEXT: "context",
+                  FinishReason.ERROR: "error", FinishReason.ABORT: "stop_sequence"}
 
 
 class ReasoningSplitter:
@@ -107,8 +107,8 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
     max_tokens = min(request.max_tokens, room) if request.max_tokens else room
     # A forced call's grammar, or the format the client asked for (plan refuses both at once).
     grammar = tools.grammar or request.grammar
-    worker_request = Generate(client.new_request_id(), prompt, request.sampling.to_wire(), max_tokens,
-                              grammar=grammar,
+    worker_request = Generate(client.new_request_id(), prompt, request.sampling, max_tokens,
+                              grammar=Grammar(**grammar) if grammar is not None else None,
                               grammar_after_reasoning=grammar is not None and request.grammar_after_reasoning,
                               cache_hint=request.cache_hint)
     tokenizer = view.tokenizer

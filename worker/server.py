@@ -24,11 +24,13 @@ from shared.protocol import (
     HEARTBEAT_TIMEOUT,
     HELLO_FIRST,
     PROTOCOL_VERSION,
+    VERSION_MISMATCH,
     Abort,
     Capabilities,
     Generate,
     Heartbeat,
     Hello,
+    InvalidGenerate,
     Message,
     ModelCard,
     ProtocolError,
@@ -36,6 +38,7 @@ from shared.protocol import (
     decode,
     version_mismatch_message,
 )
+from shared.errors import InvalidRequestError
 from worker.capabilities import THINK_TAGS, has_reasoning_switch, tool_call_tags
 from worker.engine.engine import Engine
 from worker.grammar import GrammarEngine
@@ -166,6 +169,11 @@ class WorkerServer:
     def _handle(self, identity: bytes, frames: list[bytes]) -> None:
         try:
             message = decode(frames)
+        except InvalidGenerate as exc:  # a request after all: its gateway hears why it is refused
+            self.gateways[identity] = time.monotonic()
+            self.router.send_multipart([identity, *Rejected(exc.request_id, 400, InvalidRequestError.kind,
+                                                            exc.message).frames()])
+            return
         except ProtocolError as exc:
             log.warning("dropping a malformed message from %r: %s", identity, exc)
             return
@@ -173,7 +181,7 @@ class WorkerServer:
         if isinstance(message, Hello):
             if message.version != PROTOCOL_VERSION:
                 self.router.send_multipart([identity, *Rejected(
-                    "", 400, "protocol_version",
+                    "", 400, VERSION_MISMATCH,
                     version_mismatch_message(PROTOCOL_VERSION, message.version, "worker")).frames()])
                 return
             log.info("gateway %s connected", message.gateway or identity.hex())
