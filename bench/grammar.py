@@ -14,7 +14,8 @@ import json
 import statistics
 import time
 
-from shared.protocol import Finished, Generate
+from shared.protocol import Finished, Generate, Grammar
+from shared.sampling_params import SamplingParams
 from worker.engine.engine import Engine
 from worker.grammar import GrammarEngine
 from worker.scheduler import Scheduler, SchedulerSettings
@@ -40,9 +41,9 @@ def run(engine: Engine, grammar: GrammarEngine, batch: int, tokens: int, constra
     scheduler = Scheduler(engine, SchedulerSettings(ctx=512, batch=batch, kv_slots=batch, queue=batch), outbox,
                           grammar=grammar)
     scheduler.wake_io = scheduler.admit_compiled
-    spec = {"kind": "json_schema", "source": json.dumps(SCHEMA)} if constrained else None
+    spec = Grammar("json_schema", json.dumps(SCHEMA)) if constrained else None
     for i in range(batch):
-        scheduler.submit(b"bench", Generate(f"r{i}", [1, 9690, 30, 1669 + i], {"temperature": 0.8, "seed": i},
+        scheduler.submit(b"bench", Generate(f"r{i}", [1, 9690, 30, 1669 + i], SamplingParams(temperature=0.8, seed=i),
                                             tokens, stop_ids=[] if not constrained else None, grammar=spec))
     deadline = time.monotonic() + 30
     while len(scheduler.waiting) < batch and time.monotonic() < deadline:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from gateway.worker_client import WorkerClient
 from shared.protocol import Finished, Generate
+from shared.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,9 +32,9 @@ def _endpoint() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-async def _run_streams(client: WorkerClient, streams: int, tokens: int, stop_free: dict) -> float:
+async def _run_streams(client: WorkerClient, streams: int, tokens: int) -> float:
     async def one(i: int) -> int:
-        request = Generate(client.new_request_id(), [1, 28, 400 + i, 900 + i, 42], {"temperature": 0.0, **stop_free},
+        request = Generate(client.new_request_id(), [1, 28, 400 + i, 900 + i, 42], SamplingParams(temperature=0.0),
                            tokens, stop_ids=[])
         async for message in client.generate(request):
             if isinstance(message, Finished):
@@ -50,8 +51,8 @@ async def _measure(endpoint: str, tokens: int, repeats: int) -> dict[int, list[f
     await client.start()
     await client.wait_ready(300)
     try:
-        await _run_streams(client, 1, 4, {})  # warm-up
-        return {n: [await _run_streams(client, n, tokens, {}) for _ in range(repeats)] for n in (1, 4, 8)}
+        await _run_streams(client, 1, 4)  # warm-up
+        return {n: [await _run_streams(client, n, tokens) for _ in range(repeats)] for n in (1, 4, 8)}
     finally:
         await client.close()
 

@@ -25,25 +25,27 @@ from gateway.neutral import (
     ToolCallEnd,
     Usage,
 )
-from gateway.prompting import THINK_CLOSE, THINK_OPEN, ModelView
+from gateway.prompting import ModelView
 from gateway.stop_strings import StopStringMatcher, partial_suffix
 from gateway.worker_client import WorkerClient
 from shared.errors import ShuttingDownError, WorkerUnavailableError
-from shared.protocol import Accepted, Finished, Generate, Tokens
+from shared.protocol import Accepted, Finished, FinishReason, Generate, Grammar, Tags, Tokens
 
-WORKER_REASONS = {"stop": "stop", "length": "length", "context": "context", "error": "error",
-                  "abort": "stop_sequence"}
+WORKER_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CONTEXT: "context",
+                  FinishReason.ERROR: "error", FinishReason.ABORT: "stop_sequence"}
 
 
 class ReasoningSplitter:
-    """Routes text between ``<think>`` and ``</think>`` to reasoning, the rest to content.
+    """Routes text between the reasoning tags (``<think>`` and ``</think>``) to reasoning, the
+    rest to content.
 
-    The line breaks a model writes just inside the tags and right after ``</think>`` are layout
-    (Qwen3 writes ``<think>\n...\n</think>\n\n``, and its template trims reasoning when it
-    renders it back), so they are dropped.
+    The line breaks a model writes just inside the tags and right after the closing one are
+    layout (Qwen3 writes ``<think>\n...\n</think>\n\n``, and its template trims reasoning when
+    it renders it back), so they are dropped.
     """
 
-    def __init__(self, inside: bool = False):
+    def __init__(self, tags: Tags, inside: bool = False):
+        self.tags = tags
         self.inside = inside
         self.held = ""
         self.closed_once = False
@@ -54,11 +56,11 @@ class ReasoningSplitter:
         buffer = self.held + text
         self.held = ""
         while buffer:
-            tag = THINK_CLOSE if self.inside else THINK_OPEN
+            tag = self.tags.close if self.inside else self.tags.open
             position = buffer.find(tag)
             if position == -1:
                 ready = buffer[:len(buffer) - partial_suffix(buffer, (tag,))]
-                if self.inside:  # line breaks may be the ones right before </think>
+                if self.inside:  # line breaks may be the ones right before the closing tag
                     ready = ready.rstrip("\n")
                 emit, self.held = ready, buffer[len(ready):]
                 buffer = ""
@@ -105,15 +107,16 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
     max_tokens = min(request.max_tokens, room) if request.max_tokens else room
     # A forced call's grammar, or the format the client asked for (plan refuses both at once).
     grammar = tools.grammar or request.grammar
-    worker_request = Generate(client.new_request_id(), prompt, request.sampling.to_wire(), max_tokens,
-                              grammar=grammar,
+    worker_request = Generate(client.new_request_id(), prompt, request.sampling, max_tokens,
+                              grammar=Grammar(**grammar) if grammar is not None else None,
                               grammar_after_reasoning=grammar is not None and request.grammar_after_reasoning,
                               cache_hint=request.cache_hint)
     tokenizer = view.tokenizer
     decoder = tokenizer.incremental_decoder(skip_special=True)
     reply = ReplyText(
         # When reasoning is on, a template may open the think block in the prompt already.
-        ReasoningSplitter(inside=request.prefill == "" and _prompt_opens_reasoning(view)
+        ReasoningSplitter(view.reasoning_tags,
+                          inside=request.prefill == "" and _prompt_opens_reasoning(view)
                           if view.has_reasoning_channel and request.reasoning else False),
         StopStringMatcher(request.stop),
         tools.parser())
@@ -185,7 +188,7 @@ def _prompt_opens_reasoning(view: ModelView) -> bool:
     # Some templates (Qwen3-2507 thinking and later) write <think> into the generation prompt,
     # so the reply starts inside the block. A one-message conversation is enough to see it.
     probe = view.render([{"role": "user", "content": "?"}], reasoning=True)
-    return probe.rstrip().endswith(THINK_OPEN)
+    return probe.rstrip().endswith(view.reasoning_tags.open)
 
 
 class ReplyText:

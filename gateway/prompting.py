@@ -10,13 +10,8 @@ from dataclasses import dataclass
 
 from shared.chat_template import ChatTemplate
 from shared.errors import ContextOverflowError, InvalidRequestError
-from shared.protocol import ModelCard
+from shared.protocol import ModelCard, Tags
 from shared.tokenizer import Tokenizer
-
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
 
 # A plain ChatML rendering for GGUFs that carry no template.
 FALLBACK_TEMPLATE = (
@@ -52,20 +47,18 @@ class ModelView:
 
     @property
     def has_reasoning_channel(self) -> bool:
-        """A model can think on request when its vocabulary has the think tags and its template
-        knows the enable_thinking switch."""
-        vocab_has_tags = (self.tokenizer.piece_to_id(THINK_OPEN) is not None
-                          and self.tokenizer.piece_to_id(THINK_CLOSE) is not None)
-        return vocab_has_tags and "enable_thinking" in self.template.source
+        """The model thinks on request (the worker saw the switch in its template)."""
+        return self.card.capabilities.reasoning
 
     @property
-    def has_tool_convention(self) -> bool:
-        """A model calls tools the Hermes way (``<tool_call>`` blocks, see gateway/tool_calls.py)
-        when its vocabulary has the call tags and its template shows tools and calls."""
-        vocab_has_tags = (self.tokenizer.piece_to_id(TOOL_CALL_OPEN) is not None
-                          and self.tokenizer.piece_to_id(TOOL_CALL_CLOSE) is not None)
-        source = self.template.source
-        return vocab_has_tags and "tools" in source and "tool_call" in source
+    def reasoning_tags(self) -> Tags:
+        return self.card.capabilities.reasoning_tags
+
+    @property
+    def tool_call_tags(self) -> Tags | None:
+        """The tags of the model's Hermes call blocks (gateway/tool_calls.py), None when it has
+        no tool convention."""
+        return self.card.capabilities.tool_call_tags
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, reasoning: bool = False,
                prefill: str = "") -> str:

@@ -2,8 +2,9 @@
 
 A model with this convention (Qwen3 and its kin) declares nothing special: among its text it
 writes ``<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>``,
-one block per call. ``ToolCallParser`` reads the reply's text stream (after the reasoning split
-and stop strings) and turns each block into neutral events; the dialects render those natively.
+one block per call (the worker names the model's call tags in its capabilities).
+``ToolCallParser`` reads the reply's text stream (after the reasoning split and stop strings)
+and turns each block into neutral events; the dialects render those natively.
 
 Decisions a client may notice:
 
@@ -39,9 +40,10 @@ from gateway.neutral import (
     ToolCallEnd,
     ToolCallStart,
 )
-from gateway.prompting import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ModelView
+from gateway.prompting import ModelView
 from gateway.stop_strings import partial_suffix
 from shared.errors import InvalidRequestError
+from shared.protocol import Tags
 
 FRAGMENT_CHARS = 12  # about three tokens of JSON per arguments delta
 
@@ -69,6 +71,7 @@ class ToolPlan:
     instruction: str | None = None  # the generic call format, told to a model without a convention
     call_format: str = HERMES
     forced_name: str | None = None  # RAW_INPUT: the freeform tool the reply is the input of
+    call_tags: Tags | None = None  # HERMES: the model's call tags
 
     def prompt_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The conversation as rendered: with the instruction added to the system message (or as
@@ -88,7 +91,7 @@ class ToolPlan:
             return WholeReplyCall()
         if self.call_format == RAW_INPUT:
             return WholeReplyCall(self.forced_name)
-        return ToolCallParser(self.limit)
+        return ToolCallParser(self.call_tags, self.limit)
 
 
 def plan(view: ModelView, request: NeutralRequest) -> ToolPlan:
@@ -110,7 +113,8 @@ def plan(view: ModelView, request: NeutralRequest) -> ToolPlan:
     if forced is not None and request.grammar is not None:
         raise InvalidRequestError("tool_choice forces a tool call and the request also constrains the "
                                   "reply's format; send one of them", param="tool_choice")
-    if not view.has_tool_convention:
+    tags = view.tool_call_tags
+    if tags is None:
         if forced is None:
             return ToolPlan([], False, None)
         schema = ({"anyOf": [call_schema(request, tool, whitespace=False) for tool in forced]}
@@ -121,13 +125,13 @@ def plan(view: ModelView, request: NeutralRequest) -> ToolPlan:
         return ToolPlan([], False, None)
     limit = None if request.parallel_tool_calls else 1
     if forced is not None:
-        return ToolPlan(request.tools, True, limit,
-                        grammar={"kind": "lark", "source": hermes_lark(request, forced, limit is None)})
+        return ToolPlan(request.tools, True, limit, call_tags=tags,
+                        grammar={"kind": "lark", "source": hermes_lark(request, forced, tags, limit is None)})
     if request.grammar is None and any(_binding_in_auto(request, tool["function"]) for tool in request.tools):
-        return ToolPlan(request.tools, True, limit,
-                        grammar={"kind": "lark", "source": hermes_lark(request, request.tools, limit is None,
+        return ToolPlan(request.tools, True, limit, call_tags=tags,
+                        grammar={"kind": "lark", "source": hermes_lark(request, request.tools, tags, limit is None,
                                                                       optional=True)})
-    return ToolPlan(request.tools, True, limit)
+    return ToolPlan(request.tools, True, limit, call_tags=tags)
 
 
 def forces_call(tool_choice: Any) -> bool:
@@ -201,7 +205,7 @@ def call_schema(request: NeutralRequest, tool: dict[str, Any], whitespace: bool 
     return schema
 
 
-def hermes_lark(request: NeutralRequest, tools: list[dict[str, Any]], parallel: bool,
+def hermes_lark(request: NeutralRequest, tools: list[dict[str, Any]], tags: Tags, parallel: bool,
                 optional: bool = False) -> str:
     """A Lark grammar for one or more Hermes call blocks of these tools (``optional``: text, which
     the calls may follow, and no call at all is fine too).
@@ -213,7 +217,7 @@ def hermes_lark(request: NeutralRequest, tools: list[dict[str, Any]], parallel: 
     """
     alternatives = " | ".join(f"fn_{i}" for i in range(len(tools)))
     functions = "\n".join(f"fn_{i}: %json {json.dumps(call_schema(request, tool))}" for i, tool in enumerate(tools))
-    call = f'tc: {TOOL_CALL_OPEN} "\\n" ({alternatives}) "\\n" {TOOL_CALL_CLOSE}\n'
+    call = f'tc: {tags.open} "\\n" ({alternatives}) "\\n" {tags.close}\n'
     if optional:
         # after the last call only layout: the reply ends there (Hermes models stop after calls)
         start = 'start: TEXT (tc ("\\n" tc)* "\\n"?)?\n' if parallel else 'start: TEXT (tc "\\n"?)?\n'
@@ -278,7 +282,8 @@ class WholeReplyCall:
 class ToolCallParser:
     """Feed the reply's text pieces; get back text and tool-call events (see the module doc)."""
 
-    def __init__(self, limit: int | None = None):
+    def __init__(self, tags: Tags, limit: int | None = None):
+        self.tags = tags
         self.limit = limit
         self.completed = 0
         self.inside = False
@@ -308,7 +313,7 @@ class ToolCallParser:
         out: list[ParsedEvent] = []
         if not self.done:
             if self.inside:
-                self._text(self.gap + TOOL_CALL_OPEN + self.body, out)
+                self._text(self.gap + self.tags.open + self.body, out)
             else:
                 self._text(self.held, out)
         self.inside, self.held, self.body, self.gap = False, "", "", ""
@@ -316,9 +321,9 @@ class ToolCallParser:
 
     def _read_text(self, text: str, out: list[ParsedEvent]) -> str:
         buffer, self.held = self.held + text, ""
-        at = buffer.find(TOOL_CALL_OPEN)
+        at = buffer.find(self.tags.open)
         if at == -1:
-            keep = partial_suffix(buffer, (TOOL_CALL_OPEN,))
+            keep = partial_suffix(buffer, (self.tags.open,))
             released = buffer[:len(buffer) - keep]
             body = released.rstrip()
             self.held = released[len(body):] + buffer[len(buffer) - keep:]
@@ -328,7 +333,7 @@ class ToolCallParser:
         body = before.rstrip()
         self._text(body, out)
         self._open(gap=before[len(body):])
-        return buffer[at + len(TOOL_CALL_OPEN):]
+        return buffer[at + len(self.tags.open):]
 
     def _open(self, gap: str) -> None:
         self.inside, self.gap = True, gap
@@ -349,13 +354,13 @@ class ToolCallParser:
                 continue
             if char == '"':
                 self.in_string = True
-            elif char == ">" and body.endswith(TOOL_CALL_CLOSE, 0, i + 1):
+            elif char == ">" and body.endswith(self.tags.close, 0, i + 1):  # tags end with ">"
                 self.inside = False
-                self._close(body[:i + 1 - len(TOOL_CALL_CLOSE)], out)
+                self._close(body[:i + 1 - len(self.tags.close)], out)
                 return body[i + 1:]
-            elif char == ">" and body.endswith(TOOL_CALL_OPEN, 0, i + 1):
+            elif char == ">" and body.endswith(self.tags.open, 0, i + 1):
                 # A new call opens before this one closed: this one was never finished.
-                self._text(self.gap + TOOL_CALL_OPEN + body[:i + 1 - len(TOOL_CALL_OPEN)], out)
+                self._text(self.gap + self.tags.open + body[:i + 1 - len(self.tags.open)], out)
                 self._open(gap="")
                 return body[i + 1:]
         self.scanned = len(body)
@@ -364,7 +369,7 @@ class ToolCallParser:
     def _close(self, raw: str, out: list[ParsedEvent]) -> None:
         call = parse_call(raw)
         if call is None:
-            self._text(self.gap + TOOL_CALL_OPEN + raw + TOOL_CALL_CLOSE, out)
+            self._text(self.gap + self.tags.open + raw + self.tags.close, out)
             self.gap = ""
             return
         out.extend(call_events(self.completed, *call))

@@ -30,6 +30,7 @@ from shared.protocol import (
     HEARTBEAT_TIMEOUT,
     HELLO_FIRST,
     PROTOCOL_VERSION,
+    VERSION_MISMATCH,
     Abort,
     Accepted,
     Busy,
@@ -53,7 +54,7 @@ FIRST_REPLY_TIMEOUT = 60.0
 
 class ProtocolVersionError(LmserveError):
     status = 503
-    kind = "protocol_version"
+    kind = VERSION_MISMATCH
 
 
 class WorkerClient:
@@ -211,7 +212,7 @@ class WorkerClient:
                     # answered reached the new one, which asks for HELLO and gets them resent.
                     self._ready.clear()
                     self._fail_accepted("the worker restarted; requests in flight were lost")
-            elif isinstance(message, Rejected) and message.kind == "protocol_version":
+            elif isinstance(message, Rejected) and message.kind == VERSION_MISMATCH:
                 self.version_error = message.message
                 log.error("%s", message.message)
             else:

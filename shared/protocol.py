@@ -33,7 +33,7 @@ import numpy as np
 from shared.errors import InvalidRequestError
 from shared.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: every message a typed struct (MODEL_CARD capabilities, GENERATE sampling and grammar)
 # Where a worker binds and a gateway connects when no --worker is given: this machine.
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 HEARTBEAT_INTERVAL = 1.0  # seconds between heartbeats, both directions
@@ -41,6 +41,8 @@ HEARTBEAT_TIMEOUT = 6.0  # silence after which the peer is presumed gone
 # REJECTED kind for a GENERATE from a gateway this worker instance has not been greeted by
 # (the worker restarted under it): the gateway says HELLO again and resends.
 HELLO_FIRST = "hello_first"
+# REJECTED kind for a HELLO of another protocol version.
+VERSION_MISMATCH = "protocol_version"
 
 
 class MsgType(bytes, enum.Enum):
@@ -68,6 +70,16 @@ class ProtocolError(Exception):
     """A frame that does not parse as this protocol's message."""
 
 
+class InvalidGenerate(ProtocolError):
+    """A GENERATE that parses but asks for what no request may (a negative temperature, a
+    grammar without a source): the worker answers it with REJECTED rather than dropping it."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(message)
+        self.request_id = request_id
+        self.message = message
+
+
 @dataclass
 class Message:
     TYPE: ClassVar[MsgType]
@@ -92,6 +104,39 @@ class Hello(Message):
 
 
 @dataclass
+class Tags:
+    """The pair of markers around a block of a reply, such as ``<think>`` and ``</think>``."""
+    open: str
+    close: str
+
+
+@dataclass
+class Capabilities:
+    """What the model and its worker can do, decided once by the worker from the GGUF's
+    vocabulary and chat template (worker/capabilities.py); a gateway reads it and never
+    re-derives it."""
+    context_length: int  # the model's trained context
+    reasoning_tags: Tags  # where a reasoning block starts and ends in a reply
+    reasoning: bool = False  # the template switches reasoning on and off on request
+    tool_call_tags: Tags | None = None  # calls as Hermes blocks between these; None: no convention
+    vision: bool = False  # image inputs
+    grammar: bool = True  # constrained decoding
+    batch: int = 1  # streams decoded together
+    kv_slots: int = 1
+    queue: int = 16
+    kvstore: str | None = None  # the kvstore's description, None without one
+    worker: str = ""  # host:pid of the worker process
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> "Capabilities":
+        known = {k: v for k, v in body.items() if k in {f.name for f in fields(cls)}}
+        for name in ("reasoning_tags", "tool_call_tags"):
+            if known.get(name) is not None:
+                known[name] = Tags(**known[name])
+        return cls(**known)
+
+
+@dataclass
 class ModelCard(Message):
     TYPE = MsgType.MODEL_CARD
     version: int
@@ -102,14 +147,26 @@ class ModelCard(Message):
     tokenizer: dict[str, Any]  # shared.tokenizer.Tokenizer.to_spec()
     chat_template: str | None
     fingerprint: str
+    capabilities: Capabilities
     instance: str = ""  # new on every worker start: a change means in-flight work is lost
-    capabilities: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], raw: list[bytes]) -> "ModelCard":
+        card = super().from_body(body, raw)
+        card.capabilities = Capabilities.from_wire(body["capabilities"])
+        return card
 
 
 @dataclass
 class Grammar:
-    kind: str  # "json_schema" | "regex" | "lark" | "llguidance"
+    kind: str  # "json_schema" | "json_object" | "regex" | "lark" | "llguidance"
     source: str
+
+    @classmethod
+    def from_wire(cls, body: Any) -> "Grammar":
+        if not (isinstance(body, dict) and isinstance(body.get("kind"), str) and isinstance(body.get("source"), str)):
+            raise InvalidRequestError("grammar must be a map with kind and source")
+        return cls(body["kind"], body["source"])
 
 
 @dataclass
@@ -117,10 +174,10 @@ class Generate(Message):
     TYPE = MsgType.GENERATE
     request_id: str
     prompt: list[int]
-    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams.to_wire()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = 256
     stop_ids: list[int] | None = None  # None: the model's own end-of-turn tokens
-    grammar: dict[str, Any] | None = None  # Grammar as a dict
+    grammar: Grammar | None = None
     grammar_after_reasoning: bool = False
     cartridge_ids: list[str] = field(default_factory=list)
     cache_hint: str | None = None  # a session id for slot affinity
@@ -128,6 +185,7 @@ class Generate(Message):
     def body(self) -> dict[str, Any]:
         data = asdict(self)
         del data["prompt"]  # travels as a raw frame
+        data["sampling"] = self.sampling.to_wire()
         return data
 
     def frames(self) -> list[bytes]:
@@ -139,10 +197,20 @@ class Generate(Message):
             raise ProtocolError("GENERATE needs exactly one int32 frame of prompt ids")
         names = {f.name for f in fields(cls)} - {"prompt"}
         prompt = np.frombuffer(raw[0], dtype="<i4").tolist()
-        return cls(prompt=prompt, **{k: v for k, v in body.items() if k in names})
-
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams.from_wire(self.sampling)
+        values = {k: v for k, v in body.items() if k in names}
+        request_id = str(body.get("request_id", ""))
+        try:
+            sampling = values.get("sampling") or {}
+            if not isinstance(sampling, dict):
+                raise InvalidRequestError("sampling must be a map")
+            values["sampling"] = SamplingParams.from_wire(sampling)
+            if values.get("grammar") is not None:
+                values["grammar"] = Grammar.from_wire(values["grammar"])
+        except InvalidRequestError as exc:
+            raise InvalidGenerate(request_id, exc.message) from exc
+        except (TypeError, ValueError) as exc:  # a value of the wrong type
+            raise InvalidGenerate(request_id, f"the request could not be admitted: {exc}") from exc
+        return cls(prompt=prompt, **values)
 
 
 @dataclass
@@ -165,7 +233,7 @@ class Rejected(Message):
     TYPE = MsgType.REJECTED
     request_id: str
     status: int = 400
-    kind: str = "invalid_request_error"
+    kind: str = InvalidRequestError.kind
     message: str = ""
 
 
@@ -183,11 +251,20 @@ class Tokens(Message):
 class Finished(Message):
     TYPE = MsgType.FINISHED
     request_id: str
-    reason: str
+    reason: FinishReason
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {**asdict(self), "reason": self.reason.value}
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], raw: list[bytes]) -> "Finished":
+        finished = super().from_body(body, raw)
+        finished.reason = FinishReason(finished.reason)  # ValueError on an unknown reason
+        return finished
 
 
 @dataclass
@@ -227,6 +304,8 @@ def decode(frames: list[bytes]) -> Message:
         raise ProtocolError(f"{cls.__name__} body must be a map")
     try:
         return cls.from_body(body, [bytes(f) for f in frames[2:]])
+    except ProtocolError:
+        raise
     except (TypeError, ValueError, InvalidRequestError) as exc:
         raise ProtocolError(f"malformed {cls.__name__}: {exc}") from exc
 

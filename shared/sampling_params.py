@@ -1,4 +1,4 @@
-"""How a request wants its tokens chosen. Crosses the gateway-worker wire as a plain dict."""
+"""How a request wants its tokens chosen. Crosses the gateway-worker wire inside GENERATE."""
 
 from __future__ import annotations
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import llguidance as llg
 import llguidance.numpy as llnp
 import numpy as np
 
 from shared.errors import InvalidRequestError
+from shared.protocol import Grammar
 from shared.tokenizer import Tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "lark", "llguidance")
@@ -46,14 +46,15 @@ class _Vocabulary:
 
 
 class GrammarEngine:
-    def __init__(self, tokenizer: Tokenizer, n_vocab: int, threads: int = 1):
+    def __init__(self, tokenizer: Tokenizer, n_vocab: int, threads: int = 1, reasoning_close: str | None = None):
         self.tokenizer = tokenizer
         self.n_vocab = n_vocab
         self._ll_tokenizer: llg.LLTokenizer | None = None
         self._lock = threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
         self.executor = llg.LLExecutor()
-        self.think_close = tokenizer.piece_to_id("</think>")
+        # where a grammar that waits for the end of reasoning starts (GENERATE grammar_after_reasoning)
+        self.think_close = tokenizer.piece_to_id(reasoning_close) if reasoning_close else None
         self.pool.submit(self.ll_tokenizer)  # build it now (about half a second), off the IO thread
 
     def ll_tokenizer(self) -> llg.LLTokenizer:
@@ -98,9 +99,9 @@ class GrammarEngine:
             raise InvalidRequestError(f"the grammar does not compile: {matcher.get_error()}")
         return matcher
 
-    def compile_matcher(self, grammar: dict[str, Any]) -> "Future[llg.LLMatcher]":
+    def compile_matcher(self, grammar: Grammar) -> "Future[llg.LLMatcher]":
         """Compile on the pool; the future holds the matcher or raises InvalidRequestError."""
-        return self.pool.submit(lambda: self.matcher(self.compile(grammar.get("kind", ""), grammar.get("source", ""))))
+        return self.pool.submit(lambda: self.matcher(self.compile(grammar.kind, grammar.source)))
 
     def masks(self, matchers: list[llg.LLMatcher]) -> np.ndarray:
         """Allowed-token masks [len(matchers), n_vocab] (bool), computed in one parallel call."""

@@ -119,7 +119,7 @@ class Scheduler:
             return
         except Exception as exc:  # a request must never take the IO thread down with it
             log.exception("could not admit %s", rid)
-            self.send(gateway, Rejected(rid, 400, "invalid_request_error", f"the request could not be admitted: {exc}"))
+            self.send(gateway, Rejected(rid, 400, InvalidRequestError.kind, f"the request could not be admitted: {exc}"))
             return
         if request.grammar is not None:
             # compile off the IO thread; the IO thread admits it when done (admit_compiled)
@@ -144,7 +144,7 @@ class Scheduler:
                 continue
             except Exception as exc:
                 log.exception("compiling the grammar of %s failed", rid)
-                self.send(gateway, Rejected(rid, 400, "invalid_request_error", f"the grammar could not be compiled: {exc}"))
+                self.send(gateway, Rejected(rid, 400, InvalidRequestError.kind, f"the grammar could not be compiled: {exc}"))
                 continue
             stream.grammar_active = not stream.request.grammar_after_reasoning
             self._enqueue(gateway, stream)
@@ -153,7 +153,7 @@ class Scheduler:
         rid = stream.request.request_id
         with self.lock:
             if stream.key in self.streams:
-                self.send(gateway, Rejected(rid, 400, "invalid_request_error",
+                self.send(gateway, Rejected(rid, 400, InvalidRequestError.kind,
                                             f"request id {rid!r} is already in flight"))
                 return
             # streams that would have to wait, this one included, once the free batch places fill
@@ -175,7 +175,7 @@ class Scheduler:
             if stream in self.waiting:  # never started: finish it here, ahead of the queue
                 self.waiting.remove(stream)
                 del self.streams[stream.key]
-                self.send(gateway, Finished(request_id, FinishReason.ABORT.value,
+                self.send(gateway, Finished(request_id, FinishReason.ABORT,
                                             len(stream.request.prompt), 0, 0))
                 return
             stream.aborted = True
@@ -222,11 +222,9 @@ class Scheduler:
                 f"(the context budget --ctx is {self.settings.ctx} tokens, prompt and completion together)")
         if request.grammar is not None and self.grammar is None:
             raise InvalidRequestError("constrained decoding (grammar) is not available in this worker")
-        if request.grammar is not None and not isinstance(request.grammar, dict):
-            raise InvalidRequestError("grammar must be a map with kind and source")
         if request.cartridge_ids:
             raise InvalidRequestError("cartridges are not available in this worker")
-        params = request.sampling_params()  # raises InvalidRequestError on bad values
+        params = request.sampling
         stop_ids = set(request.stop_ids) if request.stop_ids is not None else set(self.engine.tokenizer.stop_ids)
         script = self.settings.scripted_replies
         sampler = script.sampler(params, prompt) if script is not None else Sampler(params, prompt)
@@ -395,5 +393,5 @@ class Scheduler:
                 except Exception:
                     log.exception("spilling KV of %s failed", stream.request.request_id)
         self.send(stream.gateway, Finished(
-            stream.request.request_id, reason.value, len(stream.request.prompt), stream.cached,
+            stream.request.request_id, reason, len(stream.request.prompt), stream.cached,
             stream.completion, error))

@@ -24,10 +24,13 @@ from shared.protocol import (
     HEARTBEAT_TIMEOUT,
     HELLO_FIRST,
     PROTOCOL_VERSION,
+    VERSION_MISMATCH,
     Abort,
+    Capabilities,
     Generate,
     Heartbeat,
     Hello,
+    InvalidGenerate,
     Message,
     ModelCard,
     ProtocolError,
@@ -35,6 +38,8 @@ from shared.protocol import (
     decode,
     version_mismatch_message,
 )
+from shared.errors import InvalidRequestError
+from worker.capabilities import THINK_TAGS, has_reasoning_switch, tool_call_tags
 from worker.engine.engine import Engine
 from worker.grammar import GrammarEngine
 from worker.kv_spill import KVSpiller
@@ -69,15 +74,16 @@ class WorkerServer:
         self.outbox = self.context.socket(zmq.PULL)
         self.outbox.bind(self.outbox_address)
         self._thread_local = threading.local()
-        self.grammar = GrammarEngine(engine.tokenizer, engine.model.hp.n_vocab)
+        self.instance = uuid.uuid4().hex
+        self.card = self._model_card()
+        self.grammar = GrammarEngine(engine.tokenizer, engine.model.hp.n_vocab,
+                                     reasoning_close=self.card.capabilities.reasoning_tags.close)
         self.scheduler = Scheduler(engine, settings.scheduler, self._send_from_any_thread, settings.spiller,
                                    self.grammar)
         self.scheduler.wake_io = self._wake_io
         self.gateways: dict[bytes, float] = {}  # identity -> last time heard from
         self.greeted: set[bytes] = set()  # gateways that said HELLO to this instance
         self.stopping = threading.Event()
-        self.instance = uuid.uuid4().hex
-        self.card = self._model_card()
 
     def _model_card(self) -> ModelCard:
         engine, sched = self.engine, self.settings.scheduler
@@ -87,10 +93,15 @@ class WorkerServer:
             tokenizer=engine.tokenizer.to_spec(),
             chat_template=engine.template.source if engine.template else None,
             fingerprint=engine.fingerprint, instance=self.instance,
-            capabilities={"batch": sched.batch, "kv_slots": sched.slot_count,
-                          "queue": sched.queue, "grammar": True, "reasoning": False,
-                          "kvstore": self.settings.spiller.store.describe() if self.settings.spiller else None,
-                          "tool_convention": None, "worker": f"{socket.gethostname()}:{os.getpid()}"})
+            capabilities=Capabilities(
+                context_length=engine.model.hp.context_length,
+                reasoning_tags=THINK_TAGS,
+                reasoning=has_reasoning_switch(engine.tokenizer, engine.template),
+                tool_call_tags=tool_call_tags(engine.tokenizer, engine.template),
+                vision=False,  # no architecture here reads images
+                grammar=True, batch=sched.batch, kv_slots=sched.slot_count, queue=sched.queue,
+                kvstore=self.settings.spiller.store.describe() if self.settings.spiller else None,
+                worker=f"{socket.gethostname()}:{os.getpid()}"))
 
     # Messages from the IO thread go straight out; from any other thread, through the outbox.
     def _send_from_any_thread(self, identity: bytes, message: Message) -> None:
@@ -158,6 +169,11 @@ class WorkerServer:
     def _handle(self, identity: bytes, frames: list[bytes]) -> None:
         try:
             message = decode(frames)
+        except InvalidGenerate as exc:  # a request after all: its gateway hears why it is refused
+            self.gateways[identity] = time.monotonic()
+            self.router.send_multipart([identity, *Rejected(exc.request_id, 400, InvalidRequestError.kind,
+                                                            exc.message).frames()])
+            return
         except ProtocolError as exc:
             log.warning("dropping a malformed message from %r: %s", identity, exc)
             return
@@ -165,7 +181,7 @@ class WorkerServer:
         if isinstance(message, Hello):
             if message.version != PROTOCOL_VERSION:
                 self.router.send_multipart([identity, *Rejected(
-                    "", 400, "protocol_version",
+                    "", 400, VERSION_MISMATCH,
                     version_mismatch_message(PROTOCOL_VERSION, message.version, "worker")).frames()])
                 return
             log.info("gateway %s connected", message.gateway or identity.hex())

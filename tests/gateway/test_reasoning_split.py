@@ -6,10 +6,11 @@ import pytest
 
 from gateway.generation import ReasoningSplitter
 from gateway.neutral import ReasoningDelta, TextDelta
+from worker.capabilities import THINK_TAGS
 
 
 def split(pieces: list[str], inside: bool = False) -> tuple[str, str]:
-    splitter = ReasoningSplitter(inside)
+    splitter = ReasoningSplitter(THINK_TAGS, inside)
     events = [event for piece in pieces for event in splitter.push(piece)] + splitter.flush()
     assert all(event.text for event in events)
     return ("".join(e.text for e in events if isinstance(e, ReasoningDelta)),

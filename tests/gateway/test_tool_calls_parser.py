@@ -20,6 +20,7 @@ from gateway.neutral import (
     ToolCallStart,
 )
 from gateway.tool_calls import ToolCallParser, forces_call, json_fragments
+from worker.capabilities import HERMES_CALL_TAGS
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "Europe/Paris", "format": 24}}\n</tool_call>'
@@ -71,7 +72,7 @@ def splits(text: str):
 
 
 def run(pieces: list[str], limit: int | None = None) -> tuple[list[Any], ToolCallParser]:
-    parser = ToolCallParser(limit)
+    parser = ToolCallParser(HERMES_CALL_TAGS, limit)
     events = []
     for piece in pieces:
         events += parser.push(piece)

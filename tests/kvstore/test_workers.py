@@ -9,6 +9,7 @@ from gateway.worker_client import WorkerClient
 from kvstore.chunks import chunk_keys
 from kvstore.store import DirectoryStore, KVStore, RedisStore
 from shared.protocol import Finished, Generate
+from shared.sampling_params import SamplingParams
 
 CHUNK_TOKENS = 64
 PROMPT = np.random.default_rng(11).integers(100, 40000, 300).tolist()  # four 64-token chunks + 44
@@ -26,7 +27,7 @@ async def _ask(endpoint: str, prompt: list[int]) -> Finished:
     await client.start()
     await client.wait_ready(120)
     try:
-        request = Generate(client.new_request_id(), prompt, {"temperature": 0.0}, 3)
+        request = Generate(client.new_request_id(), prompt, SamplingParams(temperature=0.0), 3)
         async for message in client.generate(request):
             if isinstance(message, Finished):
                 return message

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 from tiny_models import write_tiny_gguf
 
-from shared.protocol import Finished, Generate, Tokens
+from shared.protocol import Finished, Generate, Grammar, Tokens
+from shared.sampling_params import SamplingParams
 from worker.engine.engine import Engine
 from worker.scheduler import Scheduler, SchedulerSettings
 
@@ -39,7 +40,8 @@ def _run(engine, fault=None, batch=3):
     outbox = Outbox()
     scheduler = Scheduler(engine, SchedulerSettings(ctx=128, batch=batch, kv_slots=batch), outbox)
     for i in range(3):
-        scheduler.submit(b"gw", Generate(f"r{i}", [5 + i, 17, 300 + i], {"temperature": 0.0}, 12, stop_ids=[]))
+        scheduler.submit(b"gw", Generate(f"r{i}", [5 + i, 17, 300 + i], SamplingParams(temperature=0.0), 12,
+                                         stop_ids=[]))
     scheduler.admit()
     if fault:
         fault(scheduler)
@@ -101,8 +103,8 @@ def test_a_weight_pass_that_fails_for_one_stream_ends_only_that_stream(engine):
 def test_abort_of_a_running_stream_frees_its_slot(engine):
     outbox = Outbox()
     scheduler = Scheduler(engine, SchedulerSettings(ctx=128, batch=1, kv_slots=1, queue=4), outbox)
-    scheduler.submit(b"gw", Generate("a", [1, 2, 3], {"temperature": 0.0}, 50, stop_ids=[]))
-    scheduler.submit(b"gw", Generate("b", [1, 2, 4], {"temperature": 0.0}, 3, stop_ids=[]))
+    scheduler.submit(b"gw", Generate("a", [1, 2, 3], SamplingParams(temperature=0.0), 50, stop_ids=[]))
+    scheduler.submit(b"gw", Generate("b", [1, 2, 4], SamplingParams(temperature=0.0), 3, stop_ids=[]))
     scheduler.admit()
     scheduler.step()
     scheduler.abort(b"gw", "a")
@@ -128,16 +130,17 @@ def test_grammar_streams_and_a_free_stream_share_a_batch(engine):
                           grammar=grammar)
     scheduler.wake_io = scheduler.admit_compiled  # in-process: admit right away
     grammars = {
-        "json": {"kind": "json_schema", "source": json.dumps({
+        "json": Grammar("json_schema", json.dumps({
             "type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
-            "required": ["n", "ok"], "additionalProperties": False})},
-        "regex": {"kind": "regex", "source": r"[a-c]{3}-[0-9]{2}"},
-        "lark": {"kind": "lark", "source": 'start: "yes" | "no" | "maybe"'},
-        "enum": {"kind": "json_schema", "source": json.dumps({"enum": ["red", "green", 3]})},
+            "required": ["n", "ok"], "additionalProperties": False})),
+        "regex": Grammar("regex", r"[a-c]{3}-[0-9]{2}"),
+        "lark": Grammar("lark", 'start: "yes" | "no" | "maybe"'),
+        "enum": Grammar("json_schema", json.dumps({"enum": ["red", "green", 3]})),
     }
+    sampling = SamplingParams(temperature=1.0, seed=4)
     for rid, spec in grammars.items():
-        scheduler.submit(b"gw", Generate(rid, [5, 17, 300], {"temperature": 1.0, "seed": 4}, 60, grammar=spec))
-    scheduler.submit(b"gw", Generate("free", [5, 17, 301], {"temperature": 1.0, "seed": 4}, 10, stop_ids=[]))
+        scheduler.submit(b"gw", Generate(rid, [5, 17, 300], sampling, 60, grammar=spec))
+    scheduler.submit(b"gw", Generate("free", [5, 17, 301], sampling, 10, stop_ids=[]))
     grammar.pool.shutdown(wait=True)  # every compile done, every callback run
     for _ in range(200):
         if not scheduler.running and not scheduler.waiting:
@@ -164,9 +167,9 @@ def test_a_grammar_that_does_not_compile_is_rejected_before_any_token(engine):
     grammar = GrammarEngine(engine.tokenizer, engine.model.hp.n_vocab)
     scheduler = Scheduler(engine, SchedulerSettings(ctx=128), outbox, grammar=grammar)
     scheduler.wake_io = scheduler.admit_compiled
-    scheduler.submit(b"gw", Generate("bad", [1, 2], {}, 5, grammar={"kind": "lark", "source": "start: nowhere"}))
-    scheduler.submit(b"gw", Generate("fmt", [1, 2], {}, 5, grammar={"kind": "json_schema",
-                                                                     "source": '{"type": "string", "format": "bogus"}'}))
+    scheduler.submit(b"gw", Generate("bad", [1, 2], SamplingParams(), 5, grammar=Grammar("lark", "start: nowhere")))
+    scheduler.submit(b"gw", Generate("fmt", [1, 2], SamplingParams(), 5,
+                                     grammar=Grammar("json_schema", '{"type": "string", "format": "bogus"}')))
     grammar.pool.shutdown(wait=True)
     rejected = {m.request_id: m for m in outbox.messages if isinstance(m, Rejected)}
     assert "nowhere" in rejected["bad"].message and rejected["bad"].status == 400
@@ -183,10 +186,10 @@ def test_a_matcher_that_fails_mid_stream_ends_only_its_stream(engine):
     grammar = GrammarEngine(engine.tokenizer, engine.model.hp.n_vocab)
     scheduler = Scheduler(engine, SchedulerSettings(ctx=256, batch=3, kv_slots=3, queue=4), outbox, grammar=grammar)
     scheduler.wake_io = scheduler.admit_compiled
-    spec = {"kind": "regex", "source": "[a-z]{40}"}
-    scheduler.submit(b"gw", Generate("doomed", [5, 17, 300], {"temperature": 0.0}, 60, grammar=spec))
-    scheduler.submit(b"gw", Generate("steady", [5, 17, 301], {"temperature": 0.0}, 60, grammar=spec))
-    scheduler.submit(b"gw", Generate("free", [5, 17, 302], {"temperature": 0.0}, 6, stop_ids=[]))
+    spec = Grammar("regex", "[a-z]{40}")
+    scheduler.submit(b"gw", Generate("doomed", [5, 17, 300], SamplingParams(temperature=0.0), 60, grammar=spec))
+    scheduler.submit(b"gw", Generate("steady", [5, 17, 301], SamplingParams(temperature=0.0), 60, grammar=spec))
+    scheduler.submit(b"gw", Generate("free", [5, 17, 302], SamplingParams(temperature=0.0), 6, stop_ids=[]))
     grammar.pool.shutdown(wait=True)
     scheduler.admit()
     doomed = next(s for s in scheduler.running if s.request.request_id == "doomed")

@@ -14,6 +14,7 @@ from tiny_models import write_tiny_gguf
 
 from shared.errors import LmserveError
 from shared.protocol import Finished, Generate, Tokens
+from shared.sampling_params import SamplingParams
 from worker.engine import ops
 from worker.engine.engine import Engine
 from worker.scheduler import Scheduler, SchedulerSettings
@@ -32,7 +33,7 @@ def run(engine: Engine, script: ScriptedReplies, prompts: dict[str, list[int]]) 
     scheduler = Scheduler(engine, SchedulerSettings(ctx=128, batch=2, kv_slots=2, scripted_replies=script),
                           lambda gateway, message: sent.append(message))
     for rid, prompt in prompts.items():  # one at a time, so the unkeyed turn order is the submit order
-        scheduler.submit(b"gw", Generate(rid, prompt, {"temperature": 1.0, "logprobs": True}, 20))
+        scheduler.submit(b"gw", Generate(rid, prompt, SamplingParams(temperature=1.0, logprobs=True), 20))
         for _ in range(60):
             scheduler.admit()
             if not scheduler.running:

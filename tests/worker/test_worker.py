@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
@@ -20,6 +21,7 @@ from gateway.worker_client import WorkerClient
 from shared.chat_template import ChatTemplate
 from shared.errors import BusyError, InvalidRequestError, WorkerUnavailableError
 from shared.protocol import PROTOCOL_VERSION, Accepted, Finished, Generate, Tokens
+from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
 QUESTIONS = [
@@ -67,7 +69,7 @@ async def _collect(client: WorkerClient, request: Generate) -> tuple[list[int], 
 
 
 def _greedy(client: WorkerClient, prompt: list[int], max_tokens: int = 24, **extra) -> Generate:
-    return Generate(client.new_request_id(), prompt, {"temperature": 0.0}, max_tokens, **extra)
+    return Generate(client.new_request_id(), prompt, SamplingParams(temperature=0.0), max_tokens, **extra)
 
 
 def test_model_card_describes_the_model(batch_worker):
@@ -80,7 +82,9 @@ def test_model_card_describes_the_model(batch_worker):
     assert card.architecture == "llama"
     assert card.n_vocab == 49152
     assert card.context_budget == 8192  # no --ctx: the model's trained context (llama.context_length)
-    assert card.capabilities["batch"] == 4
+    capabilities = card.capabilities
+    assert (capabilities.batch, capabilities.kv_slots, capabilities.context_length) == (4, 6, 8192)
+    assert not capabilities.reasoning and capabilities.tool_call_tags is None  # SmolLM2 has neither
     assert "<|im_start|>" in card.chat_template
     assert Tokenizer.from_spec(card.tokenizer).vocab_size == 49152
 
@@ -143,7 +147,7 @@ def test_abort_mid_decode_leaves_the_others_intact(batch_worker):
         try:
             prompts = [_prompt(client, q) for q in QUESTIONS[:3]]
             solo = [(await _collect(client, _greedy(client, p, 30)))[0] for p in prompts]
-            victim = Generate(client.new_request_id(), prompts[0], {"temperature": 0.7, "seed": 1}, 400)
+            victim = Generate(client.new_request_id(), prompts[0], SamplingParams(temperature=0.7, seed=1), 400)
 
             async def abandon() -> int:
                 seen = 0
@@ -197,8 +201,8 @@ def test_queue_overflow_gives_busy(sequential_worker):
         try:
             prompt = _prompt(client, QUESTIONS[3])
             # no stop tokens: it decodes until its --ctx 512 is full (seconds), unless aborted
-            running = client.generate(Generate(client.new_request_id(), prompt, {"temperature": 0.8, "seed": 3}, 2000,
-                                               stop_ids=[]))
+            running = client.generate(Generate(client.new_request_id(), prompt,
+                                               SamplingParams(temperature=0.8, seed=3), 2000, stop_ids=[]))
             assert isinstance(await running.__anext__(), Accepted)
             assert isinstance(await running.__anext__(), Tokens)  # the first request is decoding
             queued = client.generate(_greedy(client, prompt, 4))
@@ -224,6 +228,15 @@ async def _drain(stream) -> Finished:
     raise AssertionError("no FINISHED")
 
 
+@dataclass
+class UncheckedGenerate(Generate):
+    """A GENERATE whose sampling map goes out as given, as a client other than our gateway may send it."""
+    raw_sampling: dict = field(default_factory=dict)
+
+    def body(self) -> dict:
+        return {**super().body(), "sampling": self.raw_sampling}
+
+
 def test_prompt_beyond_the_context_is_rejected_with_the_numbers(sequential_worker):
     async def go():
         client = await _client(sequential_worker.endpoint)
@@ -233,7 +246,8 @@ def test_prompt_beyond_the_context_is_rejected_with_the_numbers(sequential_worke
             with pytest.raises(InvalidRequestError) as bad_id:
                 await _collect(client, _greedy(client, [1, 10**7]))
             with pytest.raises(InvalidRequestError) as bad_param:
-                await _collect(client, Generate(client.new_request_id(), [1, 2], {"temperature": -1}, 4))
+                await _collect(client, UncheckedGenerate(client.new_request_id(), [1, 2], max_tokens=4,
+                                                         raw_sampling={"temperature": -1}))
             ids, ok = await _collect(client, _greedy(client, _prompt(client, "Hi"), 4))
         finally:
             await client.close()
@@ -250,7 +264,7 @@ def test_context_budget_ends_generation(sequential_worker):
         client = await _client(sequential_worker.endpoint)
         try:
             return await _collect(client, Generate(client.new_request_id(), [42] * 500,
-                                                   {"temperature": 1.0, "seed": 0}, 100, stop_ids=[]))
+                                                   SamplingParams(temperature=1.0, seed=0), 100, stop_ids=[]))
         finally:
             await client.close()
     ids, finished = run(go())
@@ -263,11 +277,12 @@ KILLED_GATEWAY = textwrap.dedent("""
     import asyncio, sys
     from gateway.worker_client import WorkerClient
     from shared.protocol import Generate
+    from shared.sampling_params import SamplingParams
     async def main():
         client = WorkerClient(sys.argv[1])
         await client.start()
         await client.wait_ready(60)
-        request = Generate("doomed", [1, 2, 3, 4], {"temperature": 1.0, "seed": 0}, 3000, stop_ids=[])
+        request = Generate("doomed", [1, 2, 3, 4], SamplingParams(temperature=1.0, seed=0), 3000, stop_ids=[])
         async for message in client.generate(request):
             print("token", flush=True)
     asyncio.run(main())
@@ -305,7 +320,7 @@ def test_a_dead_worker_fails_in_flight_requests_and_a_new_one_is_found(start_wor
         await client.start()
         await client.wait_ready(60)
         first_instance = client.card.instance
-        stream = client.generate(Generate(client.new_request_id(), [1, 2, 3], {"temperature": 1.0, "seed": 0},
+        stream = client.generate(Generate(client.new_request_id(), [1, 2, 3], SamplingParams(temperature=1.0, seed=0),
                                           200, stop_ids=[]))
         assert isinstance(await stream.__anext__(), Accepted)
         assert isinstance(await stream.__anext__(), Tokens)
@@ -331,8 +346,8 @@ def test_a_reader_that_falls_behind_is_cut_off_and_frees_the_worker(batch_worker
         await client.start()
         await client.wait_ready(60)
         try:
-            stream = client.generate(Generate(client.new_request_id(), [1, 2, 3], {"temperature": 1.0, "seed": 0},
-                                              500, stop_ids=[]))
+            stream = client.generate(Generate(client.new_request_id(), [1, 2, 3],
+                                              SamplingParams(temperature=1.0, seed=0), 500, stop_ids=[]))
             assert isinstance(await stream.__anext__(), Accepted)
             await asyncio.sleep(3)  # read nothing while the worker produces
             with pytest.raises(Exception, match="too slowly"):
@@ -358,7 +373,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(batch_worker):
             started = asyncio.Event()
 
             async def runner():
-                request = Generate(client.new_request_id(), [1, 2, 3], {"temperature": 1.0, "seed": 2}, 120, stop_ids=[])
+                request = Generate(client.new_request_id(), [1, 2, 3], SamplingParams(temperature=1.0, seed=2), 120,
+                                   stop_ids=[])
                 async for message in client.generate(request):
                     if isinstance(message, Tokens):
                         order.append("short")
@@ -367,7 +383,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(batch_worker):
             async def long_one():
                 await started.wait()
                 prompt = np.random.default_rng(9).integers(100, 40000, 1500).tolist()
-                request = Generate(client.new_request_id(), prompt, {"temperature": 0.0}, 2)
+                request = Generate(client.new_request_id(), prompt, SamplingParams(temperature=0.0), 2)
                 async for message in client.generate(request):
                     if isinstance(message, Accepted):
                         order.append("accepted")

@@ -1,0 +1,29 @@
+"""Capabilities from a real vocabulary and template: Qwen3's (think tags with the enable_thinking
+switch, Hermes call tags) and SmolLM2's (neither)."""
+
+from __future__ import annotations
+
+from conftest import REPO
+
+from shared.chat_template import ChatTemplate, chat_template_from_metadata
+from worker.capabilities import HERMES_CALL_TAGS, has_reasoning_switch, tool_call_tags
+
+QWEN3_TEMPLATE = ChatTemplate((REPO / "tests" / "templates" / "qwen3_hermes.jinja").read_text())
+
+
+def test_qwen3_thinks_on_request_and_calls_tools_in_hermes_blocks(qwen_tokenizer):
+    assert has_reasoning_switch(qwen_tokenizer, QWEN3_TEMPLATE)
+    assert tool_call_tags(qwen_tokenizer, QWEN3_TEMPLATE) == HERMES_CALL_TAGS
+
+
+def test_the_tags_alone_are_not_a_convention(qwen_tokenizer):
+    plain = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert not has_reasoning_switch(qwen_tokenizer, plain)
+    assert tool_call_tags(qwen_tokenizer, plain) is None
+    assert not has_reasoning_switch(qwen_tokenizer, None) and tool_call_tags(qwen_tokenizer, None) is None
+
+
+def test_smollm2_has_neither(smollm_tokenizer, smollm_metadata):
+    template = chat_template_from_metadata(smollm_metadata)
+    assert not has_reasoning_switch(smollm_tokenizer, template)
+    assert tool_call_tags(smollm_tokenizer, template) is None
