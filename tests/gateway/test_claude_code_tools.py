@@ -66,10 +66,9 @@ TOOLS = [
 ]
 
 
-def test_a_forced_call_over_claude_codes_tools_compiles_and_validates(stack):
-    """A named tool_choice among Claude Code's tools: the call the model makes under the grammar
-    names that tool and keeps to its schema. (tool_choice any renders all 32 tools, a prompt
-    longer than the shared stack's context; the grammar for that case is compiled below.)"""
+def test_a_forced_call_among_claude_codes_tools_validates(stack):
+    """The whole tool set is taken as Claude Code sends it, and a call forced to one of its tools
+    comes back as a tool_use block whose input keeps to that tool's schema."""
     client = anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0, timeout=300)
     reply = client.messages.create(
         model="claude-sonnet-4-6", max_tokens=160, tools=TOOLS, tool_choice={"type": "tool", "name": "Glob"},
@@ -77,8 +76,7 @@ def test_a_forced_call_over_claude_codes_tools_compiles_and_validates(stack):
         extra_body={"temperature": 0})
     calls = [block for block in reply.content if block.type == "tool_use"]
     assert reply.stop_reason == "tool_use" and [call.name for call in calls] == ["Glob"]
-    schemas = {tool["name"]: tool["input_schema"] for tool in TOOLS}
-    jsonschema.validate(calls[0].input, schemas["Glob"])
+    jsonschema.validate(calls[0].input, next(t["input_schema"] for t in TOOLS if t["name"] == "Glob"))
 
 
 @pytest.mark.parametrize("vocabulary", ["smollm2", "qwen3"])
@@ -93,6 +91,7 @@ def test_forced_grammars_over_claude_codes_whole_tool_set_compile(vocabulary, to
     from gateway.dialects import ANTHROPIC
     from gateway.neutral import NeutralRequest
     from gateway.tool_calls import call_schema, hermes_lark
+    from worker.capabilities import HERMES_CALL_TAGS
     from worker.grammar import GrammarEngine
 
     tokenizer = tokenizers[vocabulary]
@@ -105,7 +104,7 @@ def test_forced_grammars_over_claude_codes_whole_tool_set_compile(vocabulary, to
             {"anyOf": [call_schema(request, tool, whitespace=False) for tool in request.tools]}))
         call = '{"name":"Glob","arguments":{"pattern":"**/*.py"}}'
     else:
-        grammar = engine.compile("lark", hermes_lark(request, request.tools, parallel=True))
+        grammar = engine.compile("lark", hermes_lark(request, request.tools, HERMES_CALL_TAGS, parallel=True))
         call = '<tool_call>\n{"name": "Glob", "arguments": {"pattern": "**/*.py"}}\n</tool_call>'
     matcher = llg.LLMatcher(engine.ll_tokenizer(), grammar)
     assert not matcher.is_error()
