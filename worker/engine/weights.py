@@ -78,11 +78,11 @@ class QuantizedWeight:
         if len(self.shape) != 2:
             raise ValueError(f"a {self.shape} stack multiplies one expert at a time (use .expert(e))")
         inp = as_input(x)
-        outs = matmul.outputs(inp.x.shape[0], self.shape[0])
+        out = np.empty((inp.x.shape[0], self.shape[0]), dtype=np.float32)
         if self.qtype in FLOAT_KERNELS:
-            return matmul.matmul_float(FLOAT_KERNELS[self.qtype], matmul.group(self.data), inp.x, outs)[0]
+            return matmul.matmul_float(FLOAT_KERNELS[self.qtype], self.data, inp.x, out)
         acts = inp.quantized
-        return INT8_KERNELS[self.qtype](matmul.group(self.data), acts.values, acts.scales, acts.sums, outs)[0]
+        return INT8_KERNELS[self.qtype](self.data, acts.values, acts.scales, acts.sums, out)
 
     def expert(self, e: int) -> QuantizedWeight:
         return QuantizedWeight(self.qtype, self.shape[1:], self.data[e])

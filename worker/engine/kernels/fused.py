@@ -40,52 +40,26 @@ def quantized(x):
 
 
 @njit(cache=True)
-def product(kind, weights, x, values, scales, sums, outs):
-    """outs[k] [m, n_out_k] = x W_kᵀ for the three weights of GGML type ``kind`` (empty ones
-    allowed), in one parallel region; (values, scales, sums) is x's int8 form."""
+def product(kind, weights, x, values, scales, sums, out):
+    """out [m, n_out] = x Wᵀ for W of GGML type ``kind``; (values, scales, sums) is x's int8 form."""
     if kind == Q4_0:
-        matmul.matmul_q4_0(weights, values, scales, sums, outs)
+        matmul.matmul_q4_0(weights, values, scales, sums, out)
     elif kind == Q4_1:
-        matmul.matmul_q4_1(weights, values, scales, sums, outs)
+        matmul.matmul_q4_1(weights, values, scales, sums, out)
     elif kind == Q8_0:
-        matmul.matmul_q8_0(weights, values, scales, sums, outs)
+        matmul.matmul_q8_0(weights, values, scales, sums, out)
     elif kind == Q4_K:
-        matmul.matmul_q4_k(weights, values, scales, sums, outs)
+        matmul.matmul_q4_k(weights, values, scales, sums, out)
     elif kind == Q5_K:
-        matmul.matmul_q5_k(weights, values, scales, sums, outs)
+        matmul.matmul_q5_k(weights, values, scales, sums, out)
     elif kind == Q6_K:
-        matmul.matmul_q6_k(weights, values, scales, sums, outs)
+        matmul.matmul_q6_k(weights, values, scales, sums, out)
     elif kind == F32:
-        matmul.matmul_float(matmul.F32, weights, x, outs)
+        matmul.matmul_float(matmul.F32, weights, x, out)
     elif kind == F16:
-        matmul.matmul_float(matmul.F16, weights, x, outs)
+        matmul.matmul_float(matmul.F16, weights, x, out)
     else:
-        matmul.matmul_float(matmul.BF16, weights, x, outs)
-    return outs
-
-
-@njit(cache=True)
-def products(kinds, w0, w1, w2, x, values, scales, sums, o0, o1, o2):
-    """o_k = x W_kᵀ for up to three weights (w2 may be empty); the weights of one type share a
-    parallel region."""
-    none = np.empty((x.shape[0], 0), dtype=np.float32)
-    if kinds[0] == kinds[1] and (kinds[1] == kinds[2] or w2.shape[0] == 0):
-        product(kinds[0], (w0, w1, w2), x, values, scales, sums, (o0, o1, o2))
-        return
-    if kinds[0] == kinds[1]:
-        product(kinds[0], (w0, w1, w0[:0]), x, values, scales, sums, (o0, o1, none))
-    else:
-        product(kinds[0], (w0, w0[:0], w0[:0]), x, values, scales, sums, (o0, none, none))
-        product(kinds[1], (w1, w1[:0], w1[:0]), x, values, scales, sums, (o1, none, none))
-    if w2.shape[0]:
-        product(kinds[2], (w2, w2[:0], w2[:0]), x, values, scales, sums, (o2, none, none))
-
-
-@njit(cache=True)
-def single_product(kind, w, x, values, scales, sums, out):
-    """out = x Wᵀ."""
-    none = np.empty((x.shape[0], 0), dtype=np.float32)
-    product(kind, (w, w[:0], w[:0]), x, values, scales, sums, (out, none, none))
+        matmul.matmul_float(matmul.BF16, weights, x, out)
     return out
 
 
@@ -110,7 +84,9 @@ def attention_inputs(x, norm, eps, wq, wk, wv, kinds, bq, bk, bv, q_norm, k_norm
     q = np.empty((m, n_head * head_dim), dtype=np.float32)
     k = np.empty((m, n_kv * head_dim), dtype=np.float32)
     v = np.empty((m, n_kv * value_dim), dtype=np.float32)
-    products(kinds, wq, wk, wv, h, values, scales, sums, q, k, v)
+    product(kinds[0], wq, h, values, scales, sums, q)
+    product(kinds[1], wk, h, values, scales, sums, k)
+    product(kinds[2], wv, h, values, scales, sums, v)
     _add_bias(q, bq)
     _add_bias(k, bk)
     _add_bias(v, bv)
@@ -131,7 +107,7 @@ def attention_inputs(x, norm, eps, wq, wk, wv, kinds, bq, bk, bv, q_norm, k_norm
 def attention_output(x, attn, wo, kind):
     """x += attn Woᵀ (in place)."""
     values, scales, sums = quantized(attn)
-    y = single_product(kind, wo, attn, values, scales, sums, np.empty(x.shape, dtype=np.float32))
+    y = product(kind, wo, attn, values, scales, sums, np.empty(x.shape, dtype=np.float32))
     x += y
     return x
 
@@ -174,10 +150,11 @@ def swiglu(x, norm, eps, wg, wu, wd, kinds, n_ff):
     values, scales, sums = quantized(h)
     g = np.empty((m, n_ff), dtype=np.float32)
     u = np.empty((m, n_ff), dtype=np.float32)
-    products(kinds, wg, wu, wg[:0], h, values, scales, sums, g, u, np.empty((m, 0), dtype=np.float32))
+    product(kinds[0], wg, h, values, scales, sums, g)
+    product(kinds[1], wu, h, values, scales, sums, u)
     t = silu_times(g, u)
     values, scales, sums = quantized(t)
-    y = single_product(kinds[2], wd, t, values, scales, sums, np.empty(x.shape, dtype=np.float32))
+    y = product(kinds[2], wd, t, values, scales, sums, np.empty(x.shape, dtype=np.float32))
     x += y
     return x
 

@@ -9,11 +9,7 @@ weights once, as one row does (a longer prefill chunk reads them once per 64 row
 summed once per output.
 
 ``matmul_int8`` serves every type of ``blocks.py`` (x quantized per block to int8);
-``matmul_float`` the float types (F32, F16, BF16), with x as float32. Both take up to three
-weights of one type that meet the same x (Q, K and V; gate and up) as a tuple, with a tuple of
-outputs, and share their rows among the threads in one parallel region: each region costs
-microseconds to open, which a decode step of a small model would pay a dozen times per layer.
-``group(w)`` and ``outputs(m, n)`` make the tuples of a single product.
+``matmul_float`` the float types (F32, F16, BF16), with x as float32.
 """
 
 from __future__ import annotations
@@ -57,47 +53,20 @@ def _single(decode, product, row, u, values, scales, sums, r, acc, low):
 # Fused multiply-adds but no other fast-math: reassociating a row's sums (which the compiler
 # does differently in the tiled and the single-row loops) would make a row's result depend on
 # the rows beside it.
-@njit(inline="always", cache=True)
-def _member(weights, o):
-    """Which of the weights output row o of their stacked rows belongs to, and its row there."""
-    n0, n1 = weights[0].shape[0], weights[1].shape[0]
-    o = np.int64(o)  # a parallel loop's index may be unsigned: o - n0 would be a float
-    if o < n0:
-        return 0, o
-    if o < n0 + n1:
-        return 1, o - n0
-    return 2, o - n0 - n1
-
-
-def group(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One weight as the kernels' three (the others empty, of the same array type)."""
-    return w, w[:0], w[:0]
-
-
-def outputs(m: int, n_out: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The outputs of one product: [m, n_out] and two empty ones."""
-    return (np.empty((m, n_out), dtype=np.float32), np.empty((m, 0), dtype=np.float32),
-            np.empty((m, 0), dtype=np.float32))
-
-
 @njit(parallel=True, fastmath={"contract"}, cache=True)
-def matmul_int8(decode, product, weights, values, scales, sums, outs):
-    """weights: three [n_out_k, row bytes] uint8 (any may have no rows); values [m, n] int8;
-    scales, sums [m, n/32]; outs: three [m, n_out_k], out_k = x W_kᵀ.
+def matmul_int8(decode, product, weights, values, scales, sums, out):
+    """weights [n_out, row bytes] uint8; values [m, n] int8; scales, sums [m, n/32]; out [m, n_out].
 
     Units go eight at a time, written out: u is then a multiple of 8 plus a constant, so a
     K-quant's super-block (eight units) has its unit index known when compiled and its shared
     scales are read once. The tiled and the single-row loops add in the same order."""
     m = values.shape[0]
     units = values.shape[1] // 32
-    stacked = weights[0].shape[0] + weights[1].shape[0] + weights[2].shape[0]
     for first in range(0, m, CHUNK):
         last = min(m, first + CHUNK)
         tiled = last - (last - first) % TILE
-        for stacked_row in prange(stacked):
-            k, o = _member(weights, stacked_row)
-            row = weights[k][o]
-            out = outs[k]
+        for o in prange(weights.shape[0]):
+            row = weights[o]
             for r in range(first, tiled, TILE):
                 z = zeros_f32()
                 acc = (z, z, z, z, np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0))
@@ -138,7 +107,7 @@ def matmul_int8(decode, product, weights, values, scales, sums, outs):
                     acc, low = _single(decode, product, row, u, values, scales, sums, r, acc, low)
                     u += 1
                 out[r, o] = sum_f32(acc) + low
-    return outs
+    return out
 
 
 F32, F16, BF16 = 0, 1, 2  # the float kinds of ``matmul_float``
@@ -155,17 +124,13 @@ def _float_weights(kind, row, e):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def matmul_float(kind, weights, x, outs):
-    """weights: three [n_out_k, row bytes] uint8 holding n floats of ``kind`` per row; x [m, n]
-    float32 (n % 8 == 0); outs as ``matmul_int8``'s. The kind's branch is the same for every
-    weight, so it costs nothing."""
+def matmul_float(kind, weights, x, out):
+    """weights [n_out, row bytes] uint8 holding n floats of ``kind`` per row; x [m, n] float32
+    (n % 8 == 0). The kind's branch is the same for every weight, so it costs nothing."""
     m, n = x.shape
     tiled = m - m % TILE
-    stacked = weights[0].shape[0] + weights[1].shape[0] + weights[2].shape[0]
-    for stacked_row in prange(stacked):
-        k, o = _member(weights, stacked_row)
-        row = weights[k][o]
-        out = outs[k]
+    for o in prange(weights.shape[0]):
+        row = weights[o]
         for r in range(0, tiled, TILE):
             a0, a1, a2, a3 = zeros_f32(), zeros_f32(), zeros_f32(), zeros_f32()
             for e in range(0, n, 8):
@@ -183,37 +148,37 @@ def matmul_float(kind, weights, x, outs):
             for e in range(0, n, 8):
                 acc = fmadd(_float_weights(kind, row, e), load_f32x8(x[r], e), acc)
             out[r, o] = sum_f32(acc)
-    return outs
+    return out
 
 
 # One entry point per type: a kernel handed its decoder at call time would pay numba's typing
 # of a function argument on every call (about 0.1 ms, more than a small matmul takes).
 
 @njit(cache=True)
-def matmul_q4_0(weights, values, scales, sums, outs):
-    return matmul_int8(blocks.decode_q4_0, blocks.product_unsigned, weights, values, scales, sums, outs)
+def matmul_q4_0(weights, values, scales, sums, out):
+    return matmul_int8(blocks.decode_q4_0, blocks.product_unsigned, weights, values, scales, sums, out)
 
 
 @njit(cache=True)
-def matmul_q4_1(weights, values, scales, sums, outs):
-    return matmul_int8(blocks.decode_q4_1, blocks.product_unsigned, weights, values, scales, sums, outs)
+def matmul_q4_1(weights, values, scales, sums, out):
+    return matmul_int8(blocks.decode_q4_1, blocks.product_unsigned, weights, values, scales, sums, out)
 
 
 @njit(cache=True)
-def matmul_q8_0(weights, values, scales, sums, outs):
-    return matmul_int8(blocks.decode_q8_0, blocks.product_signed, weights, values, scales, sums, outs)
+def matmul_q8_0(weights, values, scales, sums, out):
+    return matmul_int8(blocks.decode_q8_0, blocks.product_signed, weights, values, scales, sums, out)
 
 
 @njit(cache=True)
-def matmul_q4_k(weights, values, scales, sums, outs):
-    return matmul_int8(blocks.decode_q4_k, blocks.product_unsigned, weights, values, scales, sums, outs)
+def matmul_q4_k(weights, values, scales, sums, out):
+    return matmul_int8(blocks.decode_q4_k, blocks.product_unsigned, weights, values, scales, sums, out)
 
 
 @njit(cache=True)
-def matmul_q5_k(weights, values, scales, sums, outs):
-    return matmul_int8(blocks.decode_q5_k, blocks.product_unsigned, weights, values, scales, sums, outs)
+def matmul_q5_k(weights, values, scales, sums, out):
+    return matmul_int8(blocks.decode_q5_k, blocks.product_unsigned, weights, values, scales, sums, out)
 
 
 @njit(cache=True)
-def matmul_q6_k(weights, values, scales, sums, outs):
-    return matmul_int8(blocks.decode_q6_k, blocks.product_offset32, weights, values, scales, sums, outs)
+def matmul_q6_k(weights, values, scales, sums, out):
+    return matmul_int8(blocks.decode_q6_k, blocks.product_offset32, weights, values, scales, sums, out)
