@@ -6,10 +6,10 @@ Each refusal is answered in the envelope of the dialect the path belongs to.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from dataclasses import dataclass, field
 
 from gateway.errors import dialect_for_path, error_response
+from gateway.hosts import LOOPBACK_NAMES, host_of, is_loopback
 from shared.errors import (
     AuthenticationError,
     BusyError,
@@ -19,26 +19,6 @@ from shared.errors import (
 )
 
 OPEN_PATHS = {"/health", "/", "/api/hello"}  # probes: no key needed
-LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def host_of(header: str) -> str:
-    """The host name of a Host header, without port or IPv6 brackets, lower case."""
-    header = header.strip().lower()
-    if header.startswith("["):
-        return header[1:header.find("]")] if "]" in header else header
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
-
-
 @dataclass
 class EdgeSettings:
     bind_host: str = "127.0.0.1"

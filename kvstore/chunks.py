@@ -8,9 +8,9 @@ when they share everything the chunk's keys and values depend on.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 
-import numpy as np
 
 DEFAULT_CHUNK_TOKENS = 256
 KEY_PREFIX = "lmserve:kv:"
@@ -21,8 +21,8 @@ def chunk_keys(fingerprint: str, tokens: Sequence[int], chunk_tokens: int = DEFA
     """Keys of every full chunk of ``tokens``, in order."""
     running = hashlib.sha256(f"{fingerprint}|{','.join(prefix_ids)}".encode())
     keys = []
-    ids = np.asarray(tokens, dtype="<i4")
-    for start in range(0, len(ids) - chunk_tokens + 1, chunk_tokens):
-        running.update(ids[start:start + chunk_tokens].tobytes())
+    chunk_format = f"<{chunk_tokens}i"  # int32, little-endian
+    for start in range(0, len(tokens) - chunk_tokens + 1, chunk_tokens):
+        running.update(struct.pack(chunk_format, *tokens[start:start + chunk_tokens]))
         keys.append(KEY_PREFIX + running.copy().hexdigest()[:40])
     return keys

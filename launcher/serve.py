@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.access_log import GATEWAY_HEADER
-from gateway.edge import is_loopback
+from gateway.hosts import is_loopback
 from gateway.flags import build_parser as gateway_parser
 from launcher.flags import build_parser, to_argv
 from shared.command_line import env_name

@@ -23,12 +23,13 @@ fails the in-flight requests of a worker it has not heard from for as long.
 
 from __future__ import annotations
 
+import array
 import enum
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 import msgpack
-import numpy as np
 
 from shared.errors import InvalidRequestError
 from shared.sampling_params import SamplingParams
@@ -169,6 +170,25 @@ class Grammar:
         return cls(body["kind"], body["source"])
 
 
+INT32 = next(code for code in "il" if array.array(code).itemsize == 4)  # the array type code of int32
+
+
+def pack_ids(ids: list[int]) -> bytes:
+    """Token ids as the little-endian int32 frame of the wire."""
+    packed = array.array(INT32, ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_ids(raw: bytes) -> list[int]:
+    ids = array.array(INT32)
+    ids.frombytes(raw)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tolist()
+
+
 @dataclass
 class Generate(Message):
     TYPE = MsgType.GENERATE
@@ -189,14 +209,14 @@ class Generate(Message):
         return data
 
     def frames(self) -> list[bytes]:
-        return super().frames() + [np.asarray(self.prompt, dtype="<i4").tobytes()]
+        return super().frames() + [pack_ids(self.prompt)]
 
     @classmethod
     def from_body(cls, body: dict[str, Any], raw: list[bytes]) -> "Generate":
         if len(raw) != 1 or len(raw[0]) % 4:
             raise ProtocolError("GENERATE needs exactly one int32 frame of prompt ids")
         names = {f.name for f in fields(cls)} - {"prompt"}
-        prompt = np.frombuffer(raw[0], dtype="<i4").tolist()
+        prompt = unpack_ids(raw[0])
         values = {k: v for k, v in body.items() if k in names}
         request_id = str(body.get("request_id", ""))
         try:

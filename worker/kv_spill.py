@@ -1,7 +1,9 @@
 """Spill resident KV to the kvstore and restore it: the worker's half of KV reuse beyond RAM.
 
-After a request finishes, the full chunks of its slot that the store lacks are copied out (on
-the engine thread: a memcpy) and written by a background thread (off the decode path). When a
+As a prompt is read, and again when its request finishes, the full chunks of its slot that the
+store lacks are copied out (on the engine thread: a memcpy) and written by a background thread
+(off the decode path). Spilling chunk by chunk as they fill keeps the copies waiting for the
+writer to a few chunks, where spilling a long prompt at its end held all of it twice. When a
 request arrives, the longest run of consecutive chunks the store holds beyond what its slot
 already has is read back into the slot, and only the rest of the prompt is computed. Any worker
 of the same model (same fingerprint) can restore what another spilled.
@@ -36,6 +38,7 @@ class KVSpiller:
         self.max_pending_bytes = max_pending_bytes
         self.stats = SpillStats()
         self._pending_bytes = 0
+        self._in_flight: set[str] = set()  # queued, not yet written: not queued again
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, KVChunk] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._writer, name="kv-spill", daemon=True)
@@ -86,10 +89,13 @@ class KVSpiller:
         for index in range(have, len(keys)):
             size = self.chunk_tokens * cache.bytes_per_token
             with self._lock:
+                if keys[index] in self._in_flight:
+                    continue
                 if self._pending_bytes + size > self.max_pending_bytes:
                     self.stats.chunks_dropped += len(keys) - index
                     break
                 self._pending_bytes += size
+                self._in_flight.add(keys[index])
             k, v = cache.export(index * self.chunk_tokens, self.chunk_tokens)
             self._queue.put((keys[index], KVChunk(k, v)))
             queued += 1
@@ -107,6 +113,7 @@ class KVSpiller:
             finally:
                 with self._lock:
                     self._pending_bytes -= chunk.keys.nbytes + chunk.values.nbytes
+                    self._in_flight.discard(key)
                 self._queue.task_done()
 
     def flush(self, timeout: float = 30.0) -> bool:

@@ -16,6 +16,7 @@ from worker.engine import kernels
 from worker.engine.engine import Engine
 from worker.flags import build_parser, check_worker_flags
 from worker.kv_spill import KVSpiller
+from worker.memory import fix_mmap_threshold
 from worker.scheduler import SchedulerSettings, resident_slot_count
 from worker.scripted import ScriptedReplies
 from worker.server import WorkerServer, WorkerSettings
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     log_format.configure(args.log_format)
     log = logging.getLogger("lmserve.worker")
     status = StatusWriter(args.status_fd) if args.status_fd is not None else None
+    fix_mmap_threshold()
     try:
         from shared.default_model import default_model_path
         path = args.model or str(default_model_path())

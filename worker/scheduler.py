@@ -265,6 +265,7 @@ class Scheduler:
                     stream.slot.cache.truncate(choice.reused_tokens)
             stream.cached = cached
             stream.pending = list(stream.request.prompt[cached:])
+            stream.slot.cache.reserve(len(stream.pending))  # grown once, not chunk by chunk
             with self.lock:
                 self.running.append(stream)
 
@@ -294,12 +295,24 @@ class Scheduler:
                 continue  # already finished with an error
             if stream.pending:
                 del stream.pending[:len(tokens)]
+                self._spill_filled(stream, len(tokens))
                 if stream.pending:
                     continue  # more prompt to read before the first token
             sampling.append((stream, logits))
         masks = self._masks([s for s, _ in sampling])
         for stream, logits in sampling:
             self._emit(stream, logits, masks.get(id(stream)))
+
+    def _spill_filled(self, stream: Stream, added: int) -> None:
+        """Queue the spill of the chunks a prompt step just filled (the rest goes at the end)."""
+        if self.spiller is None:
+            return
+        chunk, length = self.spiller.chunk_tokens, stream.slot.cache.length
+        if length // chunk > (length - added) // chunk:
+            try:
+                self.spiller.spill(stream.slot.cache)
+            except Exception:
+                log.exception("spilling KV of %s failed", stream.request.request_id)
 
     def _masks(self, streams: list[Stream]) -> dict[int, np.ndarray]:
         """One bitmask computation for every constrained stream of this step; if that fails,

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 from kvstore.store import DirectoryStore
+from shared.protocol import Generate
+from shared.sampling_params import SamplingParams
 from worker.engine.engine import Engine
 from worker.kv_spill import KVSpiller
+from worker.scheduler import Scheduler, SchedulerSettings
 
 
 @pytest.fixture(scope="module")
@@ -52,4 +57,55 @@ def test_restore_continues_a_resident_prefix_and_leaves_one_token(engine, tmp_pa
     # the whole prompt is stored, but the last token must still be computed: 3 chunks come back
     assert spiller.restore(partial, prompt, resident=40) == 96
     assert partial.tokens == prompt[:96]
+    spiller.close()
+
+
+class HeldStore(DirectoryStore):
+    """A directory store whose writes wait until the test lets them through."""
+
+    def __init__(self, directory, max_bytes):
+        super().__init__(directory, max_bytes)
+        self.gate = threading.Event()
+
+    def put(self, key, data, meta):
+        self.gate.wait(30)
+        super().put(key, data, meta)
+
+
+def test_a_chunk_waiting_for_the_writer_is_not_copied_again(engine, tmp_path):
+    store = HeldStore(tmp_path / "kv", 1 << 30)
+    spiller = KVSpiller(store, engine.fingerprint, chunk_tokens=32)
+    cache = engine.model.new_cache(256)
+    engine.prefill(cache, list(range(700, 830)))  # 130 tokens: four full chunks
+    assert spiller.spill(cache) == 4
+    assert spiller.spill(cache) == 0  # all four still wait for the writer: not queued twice
+    store.gate.set()
+    assert spiller.flush()
+    assert store.present(spiller.keys_for(cache.tokens)) == 4
+    assert spiller.stats.chunks_written == 4
+    spiller.close()
+
+
+def test_a_prompt_is_spilled_chunk_by_chunk_as_it_is_read(engine, tmp_path):
+    """Each prompt step queues the chunks it filled, so the copies waiting for the writer stay
+    a few chunks even where the whole prompt would not fit the writer's queue."""
+    chunk = 32
+    store = DirectoryStore(tmp_path / "kv", 1 << 30)
+    bytes_per_chunk = chunk * engine.new_cache(1).bytes_per_token
+    spiller = KVSpiller(store, engine.fingerprint, chunk, max_pending_bytes=2 * bytes_per_chunk)
+    scheduler = Scheduler(engine, SchedulerSettings(ctx=512, prefill_chunk=chunk), lambda *_: None, spiller)
+    prompt = np.random.default_rng(5).integers(100, 40000, 8 * chunk + 5).tolist()
+    scheduler.submit(b"gw", Generate("long", prompt, SamplingParams(temperature=0.0), 1, stop_ids=[]))
+    scheduler.admit()
+    keys = spiller.keys_for(prompt)
+    for step in range(1, 9):
+        scheduler.step()
+        assert spiller.flush()  # the writer keeps up with one chunk a step
+        assert scheduler.running, "the prompt is still being read"
+        assert store.present(keys) == step  # the chunk this step filled is stored already
+    while scheduler.running:
+        scheduler.step()
+    assert spiller.flush()
+    assert store.present(keys) == 8
+    assert spiller.stats.chunks_dropped == 0  # spilled at the end, six of the eight would not fit
     spiller.close()

@@ -1,7 +1,10 @@
 """Per-sequence KV cache: keys and values of every layer for the tokens seen so far.
 
 Storage grows in whole blocks as a sequence gets longer, so a short chat does not pay for a
-full context, and ``truncate`` keeps a shared prefix for reuse by the next request. Keys and
+full context, and ``truncate`` keeps a shared prefix for reuse by the next request. The keys
+of all layers are one allocation, and so are the values: large enough to be mapped and
+unmapped on their own (``worker/memory.py``), so a cache that grows or goes leaves no holes in
+the heap behind it. Keys and
 values are held as IEEE halves (``f16``, the default: half the memory, spilled chunks
 included) or as float32 (``f32``); either way attention computes in float32.
 """
@@ -17,7 +20,8 @@ KV_TYPES = {"f16": np.float16, "f32": np.float32}
 
 
 class KVCache:
-    """keys[l], values[l]: [K, capacity, d] of ``dtype``; the first ``length`` positions are valid."""
+    """keys[l], values[l]: [K, capacity, d] of ``dtype`` (views of one [L, K, capacity, d] block
+    each); the first ``length`` positions are valid."""
 
     def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, max_tokens: int,
                  value_dim: int | None = None, kv_type: str = "f16"):
@@ -38,16 +42,16 @@ class KVCache:
         if needed > self.max_tokens:
             raise ValueError(f"KV cache holds at most {self.max_tokens} tokens, {needed} needed")
         new_capacity = min(self.max_tokens, -(-needed // GROWTH_BLOCK) * GROWTH_BLOCK)
-        for layer in range(self.n_layer):
-            k = np.empty((self.n_kv_head, new_capacity, self.head_dim), dtype=self.dtype)
-            v = np.empty((self.n_kv_head, new_capacity, self.value_dim), dtype=self.dtype)
-            if self.capacity:
-                k[:, :self.length] = self.keys[layer][:, :self.length]
-                v[:, :self.length] = self.values[layer][:, :self.length]
-                self.keys[layer], self.values[layer] = k, v
-            else:
-                self.keys.append(k)
-                self.values.append(v)
+        # the valid prefix is set aside and the old blocks let go before the new ones are taken:
+        # a slot that starts a new prompt holds at most its short shared prefix twice
+        held = self.export(0, self.length) if self.length else None
+        self.keys, self.values = [], []
+        shape = (self.n_layer, self.n_kv_head, new_capacity)
+        keys = np.empty(shape + (self.head_dim,), dtype=self.dtype)
+        values = np.empty(shape + (self.value_dim,), dtype=self.dtype)
+        if held is not None:
+            keys[:, :, :self.length], values[:, :, :self.length] = held
+        self.keys, self.values = list(keys), list(values)
         self.capacity = new_capacity
 
     def reserve(self, n_new: int) -> None:

@@ -1,0 +1,35 @@
+"""How the worker's process asks the C allocator for memory.
+
+glibc serves a request below its mmap threshold from the heap, and that threshold rises by
+itself (up to 32 MiB) each time a larger mapped block is freed. A KV cache that grows, or
+goes, then leaves holes in the heap that later small allocations pin, and the process keeps
+them: serving a 2k and a 6.5k prompt cost the worker 230 MiB more than its caches held.
+Fixing the threshold keeps every large block (a cache, a weight being dequantized) mapped on
+its own, returned to the system when freed, while the step-sized temporaries of a forward
+pass, all below it, are still reused from the heap.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger("lmserve.worker")
+
+M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
+MMAP_THRESHOLD = 4 << 20  # above a prefill chunk's temporaries (256 rows x 1,536 floats: 1.5 MiB)
+
+
+def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Blocks of ``threshold`` bytes and more are mapped apart from the heap from now on.
+    Returns False where the C library is not glibc (the call is then a no-op)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        log.info("the C library has no mallopt: large blocks are left to its own policy")
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
