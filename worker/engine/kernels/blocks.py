@@ -6,8 +6,8 @@ Every type here is read in units of 32 consecutive weights of a row: unit ``u`` 
 
     (q, pair_scales, scale, offset)
 
-so that the unit's dot product with an activation block (int8 values ``a``, scale ``d_a``, and
-``s_a = d_a * sum(a)``) is
+(the K-quants split this in two, see below) so that the unit's dot product with an activation
+block (int8 values ``a``, scale ``d_a``, and ``s_a = d_a * sum(a)``) is
 
     scale * d_a * Σ_halves pair_scales_h * Σ q_i a_i  +  offset * s_a
 
@@ -23,9 +23,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, types
 
-from worker.engine.kernels.simd import (abs_bytes, load_f16, load_i8x16_nibbles, load_i8x32, low_nibbles,
-                                        madd, maddubs, or_bytes, pair_scales_i16, shifted_bits, sign_bytes,
-                                        splat_i16, splat_i8, sub_i16, where_bits)
+from worker.engine.kernels.simd import (abs_bytes, bytes_f32, load_f16, load_i8x16_nibbles, load_i8x32, load_u32,
+                                        low_nibbles, madd, maddubs, mul_f32, or_bytes, pair_scales_i16, shifted_bits,
+                                        sign_bytes, splat_f32, splat_i16, splat_i8, sub_i16, where_bits, zeros_f32)
 
 _inline = dict(inline="always", cache=True)
 
@@ -75,15 +75,26 @@ def decode_q8_0(row, u):
 
 
 # --- 256-weight super-blocks (K-quants): eight units each -----------------------------------------
+#
+# A super-block's factors are decoded once for its eight units: ``scales_<type>(row, s)`` gives
+# the eight units' float scales and offsets as two 8-lane vectors (lane j: unit j), and
+# ``unit_<type>(row, s, j)`` the bytes and half scales of unit j (j a constant where called).
+
+_LOW6, _LOW4, _TOP2 = np.uint64(0x3F3F3F3F), np.uint64(0x0F0F0F0F), np.uint64(0x03030303)
+_SHIFT4, _SHIFT6, _SHIFT32 = np.uint64(4), np.uint64(6), np.uint64(32)
+
 
 @njit(**_inline)
-def _k_scale_min(row, scales_at, j):
-    """Sub-block j's 6-bit scale and minimum from the 12 packed bytes of Q4_K / Q5_K."""
-    if j < 4:
-        return row[scales_at + j] & 63, row[scales_at + j + 4] & 63
-    high = row[scales_at + j + 4]
-    return ((high & 0x0F) | ((row[scales_at + j - 4] >> 6) << 4),
-            (high >> 4) | ((row[scales_at + j] >> 6) << 4))
+def _k_scales(row, base):
+    """d·scale_j and -dmin·min_j of a Q4_K / Q5_K super-block (d, dmin f16 at ``base``, then 12
+    bytes packing eight 6-bit scales and mins: sub-blocks 0-3 in the low six bits of bytes 0-3
+    (scales) and 4-7 (mins); sub-blocks 4-7 in the nibbles of bytes 8-11, their top two bits in
+    the top bits of bytes 0-3 and 4-7)."""
+    w0, w1, w2 = load_u32(row, base + 4), load_u32(row, base + 8), load_u32(row, base + 12)
+    scales = (w0 & _LOW6) | (((w2 & _LOW4) | (((w0 >> _SHIFT6) & _TOP2) << _SHIFT4)) << _SHIFT32)
+    mins = (w1 & _LOW6) | ((((w2 >> _SHIFT4) & _LOW4) | (((w1 >> _SHIFT6) & _TOP2) << _SHIFT4)) << _SHIFT32)
+    return (mul_f32(splat_f32(load_f16(row, base)), bytes_f32(scales)),
+            mul_f32(splat_f32(-load_f16(row, base + 2)), bytes_f32(mins)))
 
 
 @njit(**_inline)
@@ -95,42 +106,49 @@ def _k_nibbles(row, nibbles_at, j):
 
 
 @njit(**_inline)
-def decode_q4_k(row, u):
+def scales_q4_k(row, s):
     # 144 bytes: d, dmin (f16), 12 bytes of scales/mins, 128 bytes of nibbles
-    base = (u >> 3) * 144
-    j = u & 7
-    scale, minimum = _k_scale_min(row, base + 4, j)
-    return (_k_nibbles(row, base + 16, j), splat_i16(1), load_f16(row, base) * np.float32(scale),
-            -load_f16(row, base + 2) * np.float32(minimum))
+    return _k_scales(row, s * 144)
 
 
 @njit(**_inline)
-def decode_q5_k(row, u):
+def unit_q4_k(row, s, j):
+    return _k_nibbles(row, s * 144 + 16, j), splat_i16(1)
+
+
+@njit(**_inline)
+def scales_q5_k(row, s):
     # 176 bytes: d, dmin, 12 bytes of scales/mins, 32 bytes of fifth bits (bit j of byte l is
     # weight l of sub-block j), then nibbles laid out as in Q4_K
-    base = (u >> 3) * 176
-    j = u & 7
-    scale, minimum = _k_scale_min(row, base + 4, j)
-    q = or_bytes(_k_nibbles(row, base + 48, j), where_bits(load_i8x32(row, base + 16), 1 << j, 16))
-    return (q, splat_i16(1), load_f16(row, base) * np.float32(scale),
-            -load_f16(row, base + 2) * np.float32(minimum))
+    return _k_scales(row, s * 176)
 
 
 @njit(**_inline)
-def decode_q6_k(row, u):
+def unit_q5_k(row, s, j):
+    base = s * 176
+    return or_bytes(_k_nibbles(row, base + 48, j), where_bits(load_i8x32(row, base + 16), 1 << j, 16)), splat_i16(1)
+
+
+@njit(**_inline)
+def scales_q6_k(row, s):
     # 210 bytes: 128 bytes of low nibbles, 64 bytes of high bit pairs, 16 int8 scales (one per
-    # 16 weights), d (f16). Each half of 128 weights is four groups of 32: groups 0 and 1 take
-    # the low nibbles of ql[0:32] and ql[32:64], groups 2 and 3 their high nibbles; group k's
-    # high bits are bits 2k, 2k+1 of qh[0:32]. Weight = d * scale * (q - 32).
-    base = (u >> 3) * 210
-    half = (u >> 2) & 1
-    group = u & 3
+    # 16 weights, see unit_q6_k), d (f16). Weight = d * scale * (q - 32).
+    return splat_f32(load_f16(row, s * 210 + 208)), zeros_f32()
+
+
+@njit(**_inline)
+def unit_q6_k(row, s, j):
+    # Each half of 128 weights is four groups of 32: groups 0 and 1 take the low nibbles of
+    # ql[0:32] and ql[32:64], groups 2 and 3 their high nibbles; group k's high bits are bits
+    # 2k, 2k+1 of qh[0:32].
+    base = s * 210
+    half = j >> 2
+    group = j & 3
     ql = load_i8x32(row, base + half * 64 + (group & 1) * 32)
     low = low_nibbles(ql) if group < 2 else shifted_bits(ql, 4, 0x0F)
     high = shifted_bits(load_i8x32(row, base + 128 + half * 32), 2 * group - 4, 0x30)
     scales_at = base + 192 + half * 8 + group * 2
-    pair = pair_scales_i16(_signed_byte(row[scales_at]), _signed_byte(row[scales_at + 1]))
-    return or_bytes(low, high), pair, load_f16(row, base + 208), types.float32(0.0)
+    return or_bytes(low, high), pair_scales_i16(_signed_byte(row[scales_at]), _signed_byte(row[scales_at + 1]))
 
 
 @njit(**_inline)

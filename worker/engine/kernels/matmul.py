@@ -8,8 +8,9 @@ multiplied with four rows of x before the next is read, so a batch of up to 64 r
 weights once, as one row does (a longer prefill chunk reads them once per 64 rows, from cache). Integer products accumulate per unit into eight float lanes that are
 summed once per output.
 
-``matmul_int8`` serves every type of ``blocks.py`` (x quantized per block to int8);
-``matmul_float`` the float types (F32, F16, BF16), with x as float32.
+``matmul_int8`` serves the 32-weight block types of ``blocks.py`` and ``matmul_super`` the
+K-quants' 256-weight super-blocks (x quantized per 32 to int8 for both); ``matmul_float`` the
+float types (F32, F16, BF16), with x as float32.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import numpy as np
 from numba import njit, prange
 
 from worker.engine.kernels import blocks
-from worker.engine.kernels.simd import (fmadd, load_bf16x8, load_f16x8, load_f32x8, load_f32x8_at,
-                                        load_i8x32, splat_f32, sum_f32, to_f32, zeros_f32)
+from worker.engine.kernels.simd import (fmadd, lane_f32, load_bf16x8, load_f16x8, load_f32x8, load_f32x8_at,
+                                        load_i8x32, mul_f32, splat_f32, sum_f32, to_f32, zeros_f32)
 
 TILE = 4  # rows of x per pass over a weight row
 CHUNK = 64  # rows of x per pass over the weights: their int8 values stay in the core's cache
@@ -57,9 +58,8 @@ def _single(decode, product, row, u, values, scales, sums, r, acc, low):
 def matmul_int8(decode, product, weights, values, scales, sums, out):
     """weights [n_out, row bytes] uint8; values [m, n] int8; scales, sums [m, n/32]; out [m, n_out].
 
-    Units go eight at a time, written out: u is then a multiple of 8 plus a constant, so a
-    K-quant's super-block (eight units) has its unit index known when compiled and its shared
-    scales are read once. The tiled and the single-row loops add in the same order."""
+    Units go eight at a time, written out (the loop's bookkeeping once per eight units). The
+    tiled and the single-row loops add in the same order."""
     m = values.shape[0]
     units = values.shape[1] // 32
     for first in range(0, m, CHUNK):
@@ -107,6 +107,92 @@ def matmul_int8(decode, product, weights, values, scales, sums, out):
                     acc, low = _single(decode, product, row, u, values, scales, sums, r, acc, low)
                     u += 1
                 out[r, o] = sum_f32(acc) + low
+    return out
+
+
+@njit(inline="always", cache=True)
+def _unit(product, q, pair_scales, values, r, u, factor, j, acc):
+    """acc + lane j of ``factor`` times unit u of weights (q, pair_scales) and of activation row r."""
+    return fmadd(lane_f32(factor, j), to_f32(product(q, pair_scales, load_i8x32(values[r], u * 32))), acc)
+
+
+@njit(inline="always", cache=True)
+def _super_tile(unit, product, row, s, j, values, r, factors, acc):
+    """Unit j of super-block s of a weight row times activation rows r..r+3."""
+    f0, f1, f2, f3 = factors
+    a0, a1, a2, a3 = acc
+    q, pair_scales = unit(row, s, j)
+    u = 8 * s + j
+    return (_unit(product, q, pair_scales, values, r, u, f0, j, a0),
+            _unit(product, q, pair_scales, values, r + 1, u, f1, j, a1),
+            _unit(product, q, pair_scales, values, r + 2, u, f2, j, a2),
+            _unit(product, q, pair_scales, values, r + 3, u, f3, j, a3))
+
+
+@njit(inline="always", cache=True)
+def _super_single(unit, product, row, s, j, values, r, factor, acc):
+    q, pair_scales = unit(row, s, j)
+    return _unit(product, q, pair_scales, values, r, 8 * s + j, factor, j, acc)
+
+
+@njit(inline="always", cache=True)
+def _super_factors(scale, offset, scales, sums, r, s, low):
+    """The eight units' factors for activation row r (weight scale times activation scale) and
+    the offsets' contribution added to ``low``, lane by lane."""
+    return mul_f32(scale, load_f32x8(scales[r], 8 * s)), fmadd(offset, load_f32x8(sums[r], 8 * s), low)
+
+
+@njit(parallel=True, fastmath={"contract"}, cache=True)
+def matmul_super(scales_of, unit, product, weights, values, scales, sums, out):
+    """``matmul_int8`` for the K-quants' super-blocks of eight units: each super-block's scales
+    and offsets are decoded once, as 8-lane vectors, and every row's eight factors (and offset
+    terms) are one vector product; the units then take their factor from its lane."""
+    m = values.shape[0]
+    supers = values.shape[1] // 256
+    for first in range(0, m, CHUNK):
+        last = min(m, first + CHUNK)
+        tiled = last - (last - first) % TILE
+        for o in prange(weights.shape[0]):
+            row = weights[o]
+            for r in range(first, tiled, TILE):
+                z = zeros_f32()
+                acc = (z, z, z, z)
+                l0, l1, l2, l3 = z, z, z, z
+                for s in range(supers):
+                    scale, offset = scales_of(row, s)
+                    f0, l0 = _super_factors(scale, offset, scales, sums, r, s, l0)
+                    f1, l1 = _super_factors(scale, offset, scales, sums, r + 1, s, l1)
+                    f2, l2 = _super_factors(scale, offset, scales, sums, r + 2, s, l2)
+                    f3, l3 = _super_factors(scale, offset, scales, sums, r + 3, s, l3)
+                    factors = (f0, f1, f2, f3)
+                    acc = _super_tile(unit, product, row, s, 0, values, r, factors, acc)
+                    acc = _super_tile(unit, product, row, s, 1, values, r, factors, acc)
+                    acc = _super_tile(unit, product, row, s, 2, values, r, factors, acc)
+                    acc = _super_tile(unit, product, row, s, 3, values, r, factors, acc)
+                    acc = _super_tile(unit, product, row, s, 4, values, r, factors, acc)
+                    acc = _super_tile(unit, product, row, s, 5, values, r, factors, acc)
+                    acc = _super_tile(unit, product, row, s, 6, values, r, factors, acc)
+                    acc = _super_tile(unit, product, row, s, 7, values, r, factors, acc)
+                a0, a1, a2, a3 = acc
+                out[r, o] = sum_f32(a0) + sum_f32(l0)
+                out[r + 1, o] = sum_f32(a1) + sum_f32(l1)
+                out[r + 2, o] = sum_f32(a2) + sum_f32(l2)
+                out[r + 3, o] = sum_f32(a3) + sum_f32(l3)
+            for r in range(tiled, last):
+                acc = zeros_f32()
+                low = zeros_f32()
+                for s in range(supers):
+                    scale, offset = scales_of(row, s)
+                    factor, low = _super_factors(scale, offset, scales, sums, r, s, low)
+                    acc = _super_single(unit, product, row, s, 0, values, r, factor, acc)
+                    acc = _super_single(unit, product, row, s, 1, values, r, factor, acc)
+                    acc = _super_single(unit, product, row, s, 2, values, r, factor, acc)
+                    acc = _super_single(unit, product, row, s, 3, values, r, factor, acc)
+                    acc = _super_single(unit, product, row, s, 4, values, r, factor, acc)
+                    acc = _super_single(unit, product, row, s, 5, values, r, factor, acc)
+                    acc = _super_single(unit, product, row, s, 6, values, r, factor, acc)
+                    acc = _super_single(unit, product, row, s, 7, values, r, factor, acc)
+                out[r, o] = sum_f32(acc) + sum_f32(low)
     return out
 
 
@@ -171,14 +257,17 @@ def matmul_q8_0(weights, values, scales, sums, out):
 
 @njit(cache=True)
 def matmul_q4_k(weights, values, scales, sums, out):
-    return matmul_int8(blocks.decode_q4_k, blocks.product_unsigned, weights, values, scales, sums, out)
+    return matmul_super(blocks.scales_q4_k, blocks.unit_q4_k, blocks.product_unsigned, weights, values, scales, sums,
+                        out)
 
 
 @njit(cache=True)
 def matmul_q5_k(weights, values, scales, sums, out):
-    return matmul_int8(blocks.decode_q5_k, blocks.product_unsigned, weights, values, scales, sums, out)
+    return matmul_super(blocks.scales_q5_k, blocks.unit_q5_k, blocks.product_unsigned, weights, values, scales, sums,
+                        out)
 
 
 @njit(cache=True)
 def matmul_q6_k(weights, values, scales, sums, out):
-    return matmul_int8(blocks.decode_q6_k, blocks.product_offset32, weights, values, scales, sums, out)
+    return matmul_super(blocks.scales_q6_k, blocks.unit_q6_k, blocks.product_offset32, weights, values, scales, sums,
+                        out)

@@ -319,6 +319,25 @@ def pair_scales_i16(typingctx, low, high):
     return I16x16(low, high), codegen
 
 
+
+@intrinsic
+def load_u32(typingctx, array, byte_offset):
+    """The little-endian uint32 at ``byte_offset`` of a byte array (no alignment needed), as uint64."""
+    def codegen(context, builder, sig, args):
+        address = _address(context, builder, sig.args[0], args[0], args[1])
+        word = builder.load(builder.bitcast(address, ir.IntType(32).as_pointer()), align=1)
+        return builder.zext(word, ir.IntType(64))
+    return types.uint64(array, byte_offset), codegen
+
+
+@intrinsic
+def bytes_f32(typingctx, word):
+    """The eight bytes of a 64-bit word, lowest first, as 8 float32 (0..255)."""
+    def codegen(context, builder, sig, args):
+        as_bytes = builder.bitcast(args[0], ir.VectorType(ir.IntType(8), 8))
+        return builder.uitofp(builder.zext(as_bytes, ir.VectorType(ir.IntType(32), 8)), F32x8.llvm_type())
+    return F32x8(types.uint64), codegen
+
 # --- float lanes --------------------------------------------------------------------------------
 
 @intrinsic
@@ -361,6 +380,15 @@ def sum_f32(typingctx, a):
             total = builder.fadd(total, builder.extract_element(args[0], ir.Constant(ir.IntType(32), lane)))
         return total
     return types.float32(F32x8), codegen
+
+
+@intrinsic
+def lane_f32(typingctx, a, lane):
+    """Lane ``lane`` of ``a`` in all 8 lanes (one shuffle where ``lane`` is a constant)."""
+    def codegen(context, builder, sig, args):
+        index = builder.trunc(args[1], ir.IntType(32)) if args[1].type.width > 32 else args[1]
+        return _broadcast(builder, builder.extract_element(args[0], index), F32x8.llvm_type())
+    return F32x8(F32x8, lane), codegen
 
 
 def _lanewise(build):
