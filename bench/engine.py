@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from worker.engine import kernels
-from worker.engine.engine import Engine
+from worker.engine import Engine
 
 
 def _spread(values: list[float]) -> str:

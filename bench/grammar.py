@@ -16,7 +16,7 @@ import time
 
 from shared.protocol import Finished, Generate, Grammar
 from shared.sampling_params import SamplingParams
-from worker.engine.engine import Engine
+from worker.engine import Engine
 from worker.grammar import GrammarEngine
 from worker.scheduler import Scheduler, SchedulerSettings
 

@@ -90,6 +90,14 @@ class ReasoningSplitter:
             out.append(ReasoningDelta(text) if self.inside else TextDelta(text))
 
 
+def prepare(view: ModelView, request: NeutralRequest) -> tuple[tool_calls.ToolPlan, list[int]]:
+    """How the request's tools are handled and the prompt ids that follow: what a generation
+    runs, and what the token counting endpoints count."""
+    tools = tool_calls.plan(view, request)
+    return tools, view.prompt_ids(tools.prompt_messages(request.messages), tools.declared, request.reasoning,
+                                  request.prefill)
+
+
 async def generate(view: ModelView, client: WorkerClient, request: NeutralRequest,
                    ping_interval: float = 10.0, cut: asyncio.Event | None = None) -> AsyncIterator[Event]:
     """Yield Started, then content events and Pings, then one Finish.
@@ -99,9 +107,7 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
     (the gateway's drain timeout ran out) the reply ends with ShuttingDownError, which each
     dialect renders as its own error event, and the worker is told to stop.
     """
-    tools = tool_calls.plan(view, request)
-    prompt = view.prompt_ids(tools.prompt_messages(request.messages), tools.declared, request.reasoning,
-                             request.prefill)
+    tools, prompt = prepare(view, request)
     view.check_fits(len(prompt))
     room = view.context_budget - len(prompt)
     max_tokens = min(request.max_tokens, room) if request.max_tokens else room

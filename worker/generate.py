@@ -1,13 +1,20 @@
-"""``lmserve generate``: complete one prompt in this process and print the speeds."""
+"""``lmserve generate``: complete one prompt in this process and print the speeds.
+
+The prompt runs through the worker's own scheduler (the loop the server runs), in-process and
+without sockets: the same prompt chunks, sampling and stop rules as a served request.
+"""
 
 from __future__ import annotations
 
 import sys
+import time
 
 from shared.command_line import EnvParser, new_parser
+from shared.protocol import Finished, FinishReason, Generate, Message, Rejected, Tokens
 from shared.sampling_params import SamplingParams
-from worker.engine.engine import Engine, GenerationStats
+from worker.engine import Engine
 from worker.flags import add_model_flags
+from worker.scheduler import Scheduler, SchedulerSettings
 
 
 def build_parser() -> EnvParser:
@@ -34,13 +41,38 @@ def main(argv: list[str] | None = None) -> int:
         text = engine.template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
         prompt = tokenizer.encode(text, add_special=False)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    stats = GenerationStats()
     decoder = tokenizer.incremental_decoder(skip_special=True)
-    for token in engine.generate(prompt, params, args.max_tokens, stats=stats):
-        sys.stdout.write(decoder.push(token.token_id))
-        sys.stdout.flush()
+    times: list[float] = []
+    finished: list[Finished] = []
+    refused: list[Rejected] = []
+
+    def receive(_gateway: bytes, message: Message) -> None:
+        if isinstance(message, Tokens):
+            times.append(time.perf_counter())
+            for token_id in message.ids:
+                sys.stdout.write(decoder.push(token_id))
+            sys.stdout.flush()
+        elif isinstance(message, Finished):
+            finished.append(message)
+        elif isinstance(message, Rejected):
+            refused.append(message)
+
+    ctx = min(engine.model.hp.context_length, len(prompt) + args.max_tokens + 1)
+    scheduler = Scheduler(engine, SchedulerSettings(ctx=ctx, queue=0), receive)
+    scheduler.submit(b"", Generate("generate", prompt, params, args.max_tokens))
+    started = time.perf_counter()
+    scheduler.admit()
+    while scheduler.running:
+        scheduler.step()
     sys.stdout.write(decoder.flush() + "\n")
-    print(f"[{stats.prompt_tokens} prompt tokens at {stats.prefill_tokens_per_second:.1f} tok/s prefill; "
-          f"{stats.completion_tokens} completion tokens at {stats.decode_tokens_per_second:.1f} tok/s decode; "
-          f"finish: {stats.finish_reason}]", file=sys.stderr)
-    return 0
+    if refused:
+        print(f"lmserve generate: {refused[0].message}", file=sys.stderr)
+        return 2
+    done = finished[0]
+    prefill = times[0] - started if times else 0.0
+    decode = times[-1] - times[0] if len(times) > 1 else 0.0
+    print(f"[{done.prompt_tokens} prompt tokens at {done.prompt_tokens / prefill if prefill else 0.0:.1f} tok/s "
+          f"prefill; {done.completion_tokens} completion tokens at "
+          f"{(len(times) - 1) / decode if decode else 0.0:.1f} tok/s decode; finish: {done.reason.value}]",
+          file=sys.stderr)
+    return 1 if done.reason == FinishReason.ERROR else 0

@@ -13,7 +13,7 @@ from shared import log_format
 from shared.errors import LmserveError
 from shared.load_progress import ProgressBar, StatusWriter
 from worker.engine import kernels
-from worker.engine.engine import Engine
+from worker.engine import Engine
 from worker.flags import build_parser, check_worker_flags
 from worker.kv_spill import KVSpiller
 from worker.memory import fix_mmap_threshold

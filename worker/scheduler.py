@@ -34,7 +34,7 @@ from shared.protocol import (
 )
 from shared.sampling_params import SamplingParams
 from worker.engine import kernels
-from worker.engine.engine import Engine
+from worker.engine import Engine
 from worker.engine.sampling import Sampler
 from worker.grammar import GrammarEngine
 from worker.kv_slots import Slot, SlotPool

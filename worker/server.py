@@ -40,7 +40,7 @@ from shared.protocol import (
 )
 from shared.errors import InvalidRequestError
 from worker.capabilities import THINK_TAGS, has_reasoning_switch, tool_call_tags
-from worker.engine.engine import Engine
+from worker.engine import Engine
 from worker.grammar import GrammarEngine
 from worker.kv_spill import KVSpiller
 from worker.scheduler import Scheduler, SchedulerSettings

@@ -16,7 +16,7 @@ import secrets
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from gateway import sse, tool_calls
+from gateway import sse
 from gateway.dialects.common import (
     GRAMMAR_FIELD,
     grammar_extension,
@@ -28,7 +28,7 @@ from gateway.dialects.common import (
 )
 from gateway.dialects import ANTHROPIC
 from gateway.errors import sse_error_payload
-from gateway.generation import Completion
+from gateway.generation import Completion, prepare
 from gateway.neutral import (
     Event,
     Finish,
@@ -87,10 +87,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
 
 def count_tokens(body: dict[str, Any], view: ModelView, headers: Any) -> int:
     """The prompt length a generation with this body would have (same parse, same rendering)."""
-    request = _parse(body, view, headers, counting=True)
-    tools = tool_calls.plan(view, request)
-    return len(view.prompt_ids(tools.prompt_messages(request.messages), tools.declared, request.reasoning,
-                               request.prefill))
+    return len(prepare(view, _parse(body, view, headers, counting=True))[1])
 
 
 def _parse(body: dict[str, Any], view: ModelView, headers: Any, counting: bool) -> NeutralRequest:

@@ -8,7 +8,7 @@ import pytest
 
 from shared.errors import ModelLoadError
 from worker.engine import kernels
-from worker.engine.engine import Engine
+from worker.engine import Engine
 from worker.engine.kv_cache import KVCache
 
 

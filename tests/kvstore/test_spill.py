@@ -10,7 +10,7 @@ import pytest
 from kvstore.store import DirectoryStore
 from shared.protocol import Generate
 from shared.sampling_params import SamplingParams
-from worker.engine.engine import Engine
+from worker.engine import Engine
 from worker.kv_spill import KVSpiller
 from worker.scheduler import Scheduler, SchedulerSettings
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from worker.engine.engine import Engine
+from worker.engine import Engine
 from worker.main import KV_MEMORY_SHARE, context_budget
 
 

@@ -11,7 +11,7 @@ from tiny_models import write_tiny_gguf
 
 from shared.protocol import Finished, Generate, Grammar, Tokens
 from shared.sampling_params import SamplingParams
-from worker.engine.engine import Engine
+from worker.engine import Engine
 from worker.scheduler import Scheduler, SchedulerSettings
 
 

@@ -16,7 +16,7 @@ from shared.errors import LmserveError
 from shared.protocol import Finished, Generate, Tokens
 from shared.sampling_params import SamplingParams
 from worker.engine import ops
-from worker.engine.engine import Engine
+from worker.engine import Engine
 from worker.scheduler import Scheduler, SchedulerSettings
 from worker.scripted import ScriptedReplies, end_of_turn_id
 

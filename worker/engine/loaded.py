@@ -1,51 +1,26 @@
-"""The engine: a loaded model with its tokenizer and template, and single-stream generation.
+"""The engine: a loaded model with its tokenizer and template, and the identity of its KV.
 
-The worker's scheduler drives ``model.forward`` directly to batch streams; this module gives
-it the pieces (prefill in chunks, sampling, stop checks) and gives ``lmserve generate`` and the
-benchmarks a simple generate loop.
+The worker's scheduler drives ``model.forward`` to batch streams (the one decode loop, also
+behind ``lmserve generate``); ``prefill`` feeds a prompt in chunks for the benchmarks and tests.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from shared.chat_template import ChatTemplate
-from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from worker.engine.archs import load_model
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kv_cache import KVCache
 from worker.engine.model import DecoderModel
-from worker.engine.sampling import SampledToken, Sampler
 
 DEFAULT_PREFILL_CHUNK = 512
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    finish_reason: str = ""
-
-    @property
-    def prefill_tokens_per_second(self) -> float:
-        computed = self.prompt_tokens - self.cached_tokens
-        return computed / self.prefill_seconds if self.prefill_seconds else 0.0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        # the first completion token comes out of the prefill pass
-        steps = max(self.completion_tokens - 1, 0)
-        return steps / self.decode_seconds if self.decode_seconds else 0.0
 
 
 @dataclass
@@ -91,49 +66,6 @@ class Engine:
         if logits is None:
             raise ValueError("prefill needs at least one token")
         return logits
-
-    def generate(self, prompt: list[int], params: SamplingParams, max_tokens: int,
-                 stop_ids: set[int] | None = None, cache: KVCache | None = None,
-                 stats: GenerationStats | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> Iterator[SampledToken]:
-        """Yield sampled tokens one by one until a stop token, max_tokens or the context ends.
-
-        A stop token is yielded (so callers can report it) and ends the stream. With a cache that
-        already holds a prefix of ``prompt``, only the rest is computed.
-        """
-        stats = stats if stats is not None else GenerationStats()
-        stop_ids = self.tokenizer.stop_ids if stop_ids is None else stop_ids
-        budget = min(self.model.hp.context_length, len(prompt) + max_tokens)
-        if cache is None:
-            cache = self.new_cache(budget)
-        reused = cache.common_prefix(prompt)
-        if reused == len(prompt):  # recompute the last token: its logits are not kept
-            reused -= 1
-        cache.truncate(reused)
-        stats.prompt_tokens, stats.cached_tokens = len(prompt), reused
-        sampler = Sampler(params, prompt)
-        started = time.perf_counter()
-        logits = self.prefill(cache, prompt[reused:])
-        stats.prefill_seconds = time.perf_counter() - started
-        started = time.perf_counter()
-        while True:
-            token = sampler.sample(logits)
-            stats.completion_tokens += 1
-            yield token
-            if token.token_id in stop_ids:
-                stats.finish_reason = "stop"
-                break
-            if stats.completion_tokens >= max_tokens:
-                stats.finish_reason = "length"
-                break
-            if cache.length >= cache.max_tokens:
-                stats.finish_reason = "context"
-                break
-            if should_stop is not None and should_stop():
-                stats.finish_reason = "abort"
-                break
-            logits = self.model.forward([(cache, [token.token_id])])[0]
-        stats.decode_seconds = time.perf_counter() - started
 
 
 def _fingerprint(gguf: GGUFFile, model: DecoderModel) -> str:
