@@ -38,7 +38,7 @@ def _quantize_row(x, q, scales, sums, r):
         sums[r, b] = scales[r, b] * sum_f32(add_f32(add_f32(l0, l1), add_f32(l2, l3)))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True)
 def _quantize_in_parallel(x, q, scales, sums):
     for r in prange(x.shape[0]):
         _quantize_row(x, q, scales, sums, r)
@@ -47,7 +47,7 @@ def _quantize_in_parallel(x, q, scales, sums):
 FEW_ROWS = 8  # fewer rows than this are quantized on the calling thread
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def quantize_rows(x, q, scales, sums):
     """x [m, n] float32 (contiguous, n % 32 == 0) -> q [m, n] int8, scales [m, n/32] and
     sums [m, n/32] float32. A decode step's few rows stay on the calling thread: opening a

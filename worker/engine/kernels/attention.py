@@ -278,7 +278,7 @@ def _add_values_tile(values, kv, lo, hi, start, scores, row, acc):
 
 # Every fast-math licence but reassociation: the tiles and the single rows must add in the
 # orders written (lanes, then a fixed tree), which a reassociating compiler would change.
-@njit(parallel=True, fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn"}, cache=True)
+@njit(parallel=True, fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn"}, nogil=True, cache=True)
 def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
     """q [T, H, d]; keys [K, L, d]; values [K, L, dv] with L = first_pos + T; out [T, H*dv].
     d must be a multiple of 8, dv of 16; the last axis of each array contiguous. Keys and
@@ -357,7 +357,7 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
     return out
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def store_and_attend(q, k, v, keys, values, first_pos, scale, window, softcap, out):
     """Write this step's k [T, K, d] and v [T, K, dv] at positions first_pos.. of a cache's
     keys [K, capacity, d] and values [K, capacity, dv] (float32 or f16 bits), then attend

@@ -28,7 +28,7 @@ F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 
 TYPE_CODES = frozenset((F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16))
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def quantized(x):
     """x [m, n] -> its int8 form (values, scales, sums) for the integer kernels."""
     m, n = x.shape
@@ -39,7 +39,7 @@ def quantized(x):
     return values, scales, sums
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def product(kind, weights, x, values, scales, sums, out):
     """out [m, n_out] = x Wᵀ for W of GGML type ``kind``; (values, scales, sums) is x's int8 form."""
     if kind == Q4_0:
@@ -63,7 +63,7 @@ def product(kind, weights, x, values, scales, sums, out):
     return out
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def _add_bias(y, bias):
     if bias.shape[0]:
         for r in range(y.shape[0]):
@@ -71,7 +71,7 @@ def _add_bias(y, bias):
                 y[r, j] += bias[j]
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def attention_inputs(x, norm, eps, wq, wk, wv, kinds, bq, bk, bv, q_norm, k_norm, cos, sin, adjacent,
                      n_head, n_kv, head_dim, value_dim):
     """h = RMSNorm(x) · norm; q, k, v = h Wqᵀ + bq, h Wkᵀ + bk, h Wvᵀ + bv (a bias of size 0 is
@@ -103,7 +103,7 @@ def attention_inputs(x, norm, eps, wq, wk, wv, kinds, bq, bk, bv, q_norm, k_norm
     return q3, k3, v.reshape((m, n_kv, value_dim))
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def attention_output(x, attn, wo, kind):
     """x += attn Woᵀ (in place)."""
     values, scales, sums = quantized(attn)
@@ -120,7 +120,7 @@ def _silu(a):
     return s if a >= 0 else s * e
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def silu_times(g, u):
     """silu(g) · u in place in g, eight lanes at a time (the loop vectorizer would leave the
     exponential's max and floor scalar)."""
@@ -141,7 +141,7 @@ def silu_times(g, u):
     return g
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def swiglu(x, norm, eps, wg, wu, wd, kinds, n_ff):
     """x += down(silu(h Wgᵀ) · h Wuᵀ) with h = RMSNorm(x) · norm (in place). kinds: the GGML
     types of wg, wu, wd."""
@@ -159,14 +159,14 @@ def swiglu(x, norm, eps, wg, wu, wd, kinds, n_ff):
     return x
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def attention_output_swiglu(x, attn, wo, kind_o, norm, eps, wg, wu, wd, kinds, n_ff):
     """``attention_output`` then ``swiglu``: the second half of a dense block in one call."""
     attention_output(x, attn, wo, kind_o)
     return swiglu(x, norm, eps, wg, wu, wd, kinds, n_ff)
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def dense_block(x, attention_spec, rope, keys, values, first_pos, scale, window, softcap, output_spec,
                 swiglu_spec):
     """A whole pre-norm block of one sequence in one call: ``attention_inputs``, the cache write

@@ -54,7 +54,7 @@ def _single(decode, product, row, u, values, scales, sums, r, acc, low):
 # Fused multiply-adds but no other fast-math: reassociating a row's sums (which the compiler
 # does differently in the tiled and the single-row loops) would make a row's result depend on
 # the rows beside it.
-@njit(parallel=True, fastmath={"contract"}, cache=True)
+@njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)
 def matmul_int8(decode, product, weights, values, scales, sums, out):
     """weights [n_out, row bytes] uint8; values [m, n] int8; scales, sums [m, n/32]; out [m, n_out].
 
@@ -142,7 +142,7 @@ def _super_factors(scale, offset, scales, sums, r, s, low):
     return mul_f32(scale, load_f32x8(scales[r], 8 * s)), fmadd(offset, load_f32x8(sums[r], 8 * s), low)
 
 
-@njit(parallel=True, fastmath={"contract"}, cache=True)
+@njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)
 def matmul_super(scales_of, unit, product, weights, values, scales, sums, out):
     """``matmul_int8`` for the K-quants' super-blocks of eight units: each super-block's scales
     and offsets are decoded once, as 8-lane vectors, and every row's eight factors (and offset
@@ -209,7 +209,7 @@ def _float_weights(kind, row, e):
     return load_bf16x8(row, 2 * e)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def matmul_float(kind, weights, x, out):
     """weights [n_out, row bytes] uint8 holding n floats of ``kind`` per row; x [m, n] float32
     (n % 8 == 0). The kind's branch is the same for every weight, so it costs nothing."""
@@ -240,34 +240,34 @@ def matmul_float(kind, weights, x, out):
 # One entry point per type: a kernel handed its decoder at call time would pay numba's typing
 # of a function argument on every call (about 0.1 ms, more than a small matmul takes).
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def matmul_q4_0(weights, values, scales, sums, out):
     return matmul_int8(blocks.decode_q4_0, blocks.product_unsigned, weights, values, scales, sums, out)
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def matmul_q4_1(weights, values, scales, sums, out):
     return matmul_int8(blocks.decode_q4_1, blocks.product_unsigned, weights, values, scales, sums, out)
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def matmul_q8_0(weights, values, scales, sums, out):
     return matmul_int8(blocks.decode_q8_0, blocks.product_signed, weights, values, scales, sums, out)
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def matmul_q4_k(weights, values, scales, sums, out):
     return matmul_super(blocks.scales_q4_k, blocks.unit_q4_k, blocks.product_unsigned, weights, values, scales, sums,
                         out)
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def matmul_q5_k(weights, values, scales, sums, out):
     return matmul_super(blocks.scales_q5_k, blocks.unit_q5_k, blocks.product_unsigned, weights, values, scales, sums,
                         out)
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def matmul_q6_k(weights, values, scales, sums, out):
     return matmul_super(blocks.scales_q6_k, blocks.unit_q6_k, blocks.product_offset32, weights, values, scales, sums,
                         out)

@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit
 
 
-@njit(cache=True)
+@njit(nogil=True, cache=True)
 def rms_norm(x, weight, eps, out):
     """out = x / sqrt(mean(x²) + eps) * weight per row; x, out [m, n], weight [n] or [0] (none).
 
@@ -31,7 +31,7 @@ def rms_norm(x, weight, eps, out):
     return out
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, nogil=True, cache=True)
 def rope(x, cos, sin, adjacent, out):
     """Rotate each head's first n_rot dims by its position's angles: x, out [T, heads, d] (out
     may be x); cos, sin [T, n_rot/2]. Pair i is (i, i + n_rot/2) (half-split, NEOX), or
