@@ -32,7 +32,11 @@ class NeutralRequest:
     grammar: dict[str, str] | None = None
     # Freeform (custom) tools whose one string input is held to a regex when the model calls them.
     tool_input_patterns: dict[str, str] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)  # dialect-specific echo values
+    # Every tool's schema is a contract for its calls (Anthropic's input_schema), not only the
+    # ones marked strict.
+    tool_schemas_bind: bool = False
+    # The dialect's own values for its reply: a dataclass its module defines and reads back.
+    echo: object = None
 
     @property
     def grammar_after_reasoning(self) -> bool:

@@ -32,7 +32,6 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.dialects import ANTHROPIC
 from gateway.neutral import (
     NeutralRequest,
     TextDelta,
@@ -184,7 +183,7 @@ def _arguments_schema(request: NeutralRequest, function: dict[str, Any]) -> dict
         return {"type": "object", "properties": {CUSTOM_INPUT: {"type": "string", "pattern": f"^(?:{pattern})$"}},
                 "required": [CUSTOM_INPUT], "additionalProperties": False}
     parameters = function.get("parameters")
-    binding = request.dialect == ANTHROPIC or function.get("strict") is True
+    binding = request.tool_schemas_bind or function.get("strict") is True
     return parameters if binding and isinstance(parameters, dict) else {"type": "object"}
 
 

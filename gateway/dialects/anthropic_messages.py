@@ -14,6 +14,7 @@ import hmac
 import json
 import secrets
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from gateway import sse
@@ -81,6 +82,11 @@ _SIGNING_KEY = secrets.token_bytes(32)
 BLOCK_JOINER = "\n\n"
 
 
+@dataclass(frozen=True)
+class AnthropicEcho:
+    thinking_display: str | None = None  # "omitted": thinking blocks come without their text
+
+
 def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest:
     return _parse(body, view, headers, counting=False)
 
@@ -118,7 +124,8 @@ def _parse(body: dict[str, Any], view: ModelView, headers: Any, counting: bool) 
         stream=bool(field(body, "stream", bool, default=False)),
         cache_hint=headers.get("x-claude-code-session-id") if headers is not None else None,
         grammar=grammar,
-        extra={"thinking_display": display},
+        tool_schemas_bind=True,
+        echo=AnthropicEcho(display),
     )
 
 
@@ -387,7 +394,8 @@ def _signature(thinking: str) -> str:
 
 def _shown_thinking(request: NeutralRequest, thinking: str) -> str:
     # display "omitted" still returns the block (with its signature), only without the text.
-    return "" if request.extra.get("thinking_display") == "omitted" else thinking
+    echo = request.echo if isinstance(request.echo, AnthropicEcho) else AnthropicEcho()
+    return "" if echo.thinking_display == "omitted" else thinking
 
 
 def _stop_fields(finish: Finish) -> dict[str, Any]:

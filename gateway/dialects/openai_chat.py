@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from gateway import sse
@@ -67,6 +68,11 @@ FINISH_REASONS = {"stop": "stop", "stop_sequence": "stop", "length": "length", "
                   "tool_calls": "tool_calls", "error": "stop"}
 
 
+@dataclass(frozen=True)
+class ChatEcho:
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+
+
 def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest:
     reject_unknown(body, HONORED | IGNORED | REJECTED)
     for key in REJECTED:
@@ -117,7 +123,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         stream=stream,
         cache_hint=field(body, "prompt_cache_key", str),
         grammar=grammar,
-        extra={"include_usage": bool(field(stream_options, "include_usage", bool, "stream_options", default=False))},
+        echo=ChatEcho(bool(field(stream_options, "include_usage", bool, "stream_options", default=False))),
     )
 
 
@@ -256,7 +262,7 @@ async def stream(request: NeutralRequest, view: ModelView, events: AsyncIterator
                     yield sse.event(sse_error_payload(CHAT, LmserveError(event.error or "generation failed")))
                     return
                 yield chunk({}, FINISH_REASONS.get(event.reason, "stop"))
-                if request.extra.get("include_usage"):
+                if isinstance(request.echo, ChatEcho) and request.echo.include_usage:
                     yield sse.event({**base, "choices": [], "usage": _usage(event.usage)})
     except LmserveError as exc:
         yield sse.event(sse_error_payload(CHAT, exc))

@@ -188,6 +188,21 @@ def _custom_grammar(tool: dict[str, Any]) -> dict[str, str] | None:
     return {"kind": syntax, "source": field(tool_format, "definition", str, "tools[].custom.format", required=True)}
 
 
+@dataclass(frozen=True)
+class ResponsesEcho:
+    """What the reply echoes of its request and how its calls are named back."""
+
+    fields: dict[str, Any]  # the request's settings, as the response object repeats them
+    namespaced_tools: dict[str, dict[str, str]]  # the model's name of a namespace member -> its place
+    custom_tool_names: list[str]  # the model's names of the freeform tools
+
+
+def _echo(request: NeutralRequest) -> ResponsesEcho:
+    if not isinstance(request.echo, ResponsesEcho):
+        raise TypeError("a Responses reply needs the request its parse made")
+    return request.echo
+
+
 def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest:
     reject_unknown(body, HONORED | IGNORED | REJECTED)
     for key in sorted(REJECTED):
@@ -277,8 +292,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         cache_hint=cache_key,
         grammar=grammar,
         tool_input_patterns=tools.input_patterns(),
-        extra={"echo": echo, "custom_tools": tools.custom, "namespaced_tools": tools.namespaced(),
-               "custom_tool_names": tools.custom_names()},
+        echo=ResponsesEcho(echo, tools.namespaced(), tools.custom_names()),
     )
 
 
@@ -424,9 +438,10 @@ def _call_item(request: NeutralRequest, call_id: str, name: str, arguments_json:
                status: str) -> dict[str, Any]:
     """A call as its output item (arguments_json None: not known yet). A namespace member is
     answered under its own name with its namespace, a freeform tool as a custom_tool_call."""
-    place = request.extra["namespaced_tools"].get(name)
+    echo = _echo(request)
+    place = echo.namespaced_tools.get(name)
     item: dict[str, Any]
-    if name in request.extra["custom_tool_names"]:
+    if name in echo.custom_tool_names:
         item = {"id": "ctc_" + call_id, "type": "custom_tool_call", "call_id": "call_" + call_id,
                 "name": name, "input": "" if arguments_json is None else _custom_input(arguments_json)}
     else:
@@ -453,7 +468,7 @@ def _terminal_status(finish: Finish) -> str:
 def _response(request: NeutralRequest, response_id: str, created_at: int, status: str,
               output: list[dict[str, Any]], usage: Usage | None = None,
               error: dict[str, Any] | None = None) -> dict[str, Any]:
-    echo = request.extra["echo"]
+    echo = _echo(request).fields
     finished = status in ("completed", "incomplete", "failed")
     return {
         "id": response_id, "object": "response", "created_at": created_at,

@@ -3,6 +3,10 @@ to the nearest half, and an engine's fingerprint (the key of spilled KV) tells t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -67,3 +71,37 @@ def test_fingerprint_depends_on_the_kv_type(default_model):
 def test_unknown_kv_type_is_refused(default_model):
     with pytest.raises(ModelLoadError, match="KV cache type"):
         Engine.load(default_model, kv_type="q8_0")
+
+
+GROWTH_SCRIPT = r"""
+import numpy as np
+from worker.engine.kv_cache import KVCache
+
+def status(key):
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(key)) / 1024
+
+cache = KVCache(30, 3, 64, 20000)
+cache.reserve(6000)
+rng = np.random.default_rng(0)
+for layer in range(30):
+    cache.keys[layer][:, :6000] = rng.standard_normal((3, 6000, 64)).astype(np.float16)
+    cache.values[layer][:, :6000] = cache.keys[layer][:, :6000] * 2
+cache.commit(list(range(6000)))
+first = [cache.keys[layer][:, :6000].copy() for layer in (0, 29)]
+peak = status("VmHWM:")
+cache.reserve(6000)
+assert all(np.array_equal(cache.keys[l][:, :6000], f) for l, f in zip((0, 29), first))
+assert np.array_equal(cache.values[29][:, :6000], first[1] * 2)
+print(status("VmHWM:") - peak)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
+def test_a_growing_cache_holds_its_old_block_and_one_new_layer_not_both_blocks():
+    done = subprocess.run([sys.executable, "-c", GROWTH_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    grew = float(done.stdout)
+    # 135 MiB of keys and values are held before and after; a layer of them is 4.5 MiB. Holding
+    # the old block and the new one together would raise the peak by about 135 MiB.
+    assert grew < 16, f"the peak rose by {grew:.0f} MiB while the cache grew"

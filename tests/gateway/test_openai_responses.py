@@ -359,9 +359,9 @@ def test_codex_history_folds_into_template_messages(view):
     # The namespace member clashes with a plain tool of the same name, so it is qualified.
     # The freeform apply_patch is shown to the model as a function of one string.
     assert names == ["exec_command", "mcp__files__.read_file", "apply_patch", "read_file", "update_plan"]
-    assert request.extra["namespaced_tools"] == {
+    assert request.echo.namespaced_tools == {
         "mcp__files__.read_file": {"namespace": "mcp__files__", "name": "read_file"}}
-    assert [tool["name"] for tool in request.extra["custom_tools"]] == ["apply_patch"]
+    assert request.echo.custom_tool_names == ["apply_patch"]
     assert request.reasoning is False and request.cache_hint == "conv-2"
     roles = [message["role"] for message in request.messages]
     assert roles == ["system", "system", "user", "assistant", "tool", "assistant", "tool", "user"]

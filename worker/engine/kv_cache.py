@@ -2,14 +2,16 @@
 
 Storage grows in whole blocks as a sequence gets longer, so a short chat does not pay for a
 full context, and ``truncate`` keeps a shared prefix for reuse by the next request. The keys
-of all layers are one allocation, and so are the values: large enough to be mapped and
-unmapped on their own (``worker/memory.py``), so a cache that grows or goes leaves no holes in
-the heap behind it. Keys and
-values are held as IEEE halves (``f16``, the default: half the memory, spilled chunks
+of all layers are one anonymous memory mapping, and so are the values: a cache that goes is
+returned to the system at once (no holes left in the heap), and a cache that grows lets go of
+each old layer's pages as soon as that layer is copied, so growing holds the old block and one
+layer of the new, not both blocks. Keys and values are held as IEEE halves (``f16``, the default: half the memory, spilled chunks
 included) or as float32 (``f32``); either way attention computes in float32.
 """
 
 from __future__ import annotations
+
+import mmap
 
 import numpy as np
 
@@ -37,20 +39,21 @@ class KVCache:
         self.capacity = 0
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
+        self._blocks: tuple[np.ndarray, np.ndarray] | None = None  # [L, K, capacity, d] keys, values
 
     def _grow(self, needed: int) -> None:
         if needed > self.max_tokens:
             raise ValueError(f"KV cache holds at most {self.max_tokens} tokens, {needed} needed")
         new_capacity = min(self.max_tokens, -(-needed // GROWTH_BLOCK) * GROWTH_BLOCK)
-        # the valid prefix is set aside and the old blocks let go before the new ones are taken:
-        # a slot that starts a new prompt holds at most its short shared prefix twice
-        held = self.export(0, self.length) if self.length else None
-        self.keys, self.values = [], []
         shape = (self.n_layer, self.n_kv_head, new_capacity)
-        keys = np.empty(shape + (self.head_dim,), dtype=self.dtype)
-        values = np.empty(shape + (self.value_dim,), dtype=self.dtype)
-        if held is not None:
-            keys[:, :, :self.length], values[:, :, :self.length] = held
+        keys, values = mapped_block(shape + (self.head_dim,), self.dtype), mapped_block(shape + (self.value_dim,), self.dtype)
+        for layer in range(self.n_layer if self.capacity else 0):
+            keys[layer, :, :self.length] = self.keys[layer][:, :self.length]
+            values[layer, :, :self.length] = self.values[layer][:, :self.length]
+            if self._blocks is not None:
+                for block in self._blocks:
+                    release_pages(block, layer)
+        self._blocks = keys, values
         self.keys, self.values = list(keys), list(values)
         self.capacity = new_capacity
 
@@ -133,3 +136,28 @@ class KVCache:
 def kernel_view(a: np.ndarray) -> np.ndarray:
     """A cache array as the compiled attention reads it: float32, or the bits of f16 as uint16."""
     return a.view(np.uint16) if a.dtype == np.float16 else a
+
+
+def mapped_block(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized array in an anonymous mapping of its own (pages become resident as
+    they are written; the mapping goes when the array does)."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if nbytes == 0:
+        return np.empty(shape, dtype=dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
+
+
+def release_pages(block: np.ndarray, index: int) -> None:
+    """Give back the whole pages of ``block[index]`` (a ``mapped_block``): they read as zeros
+    afterwards. Where the platform cannot, nothing happens."""
+    region = block
+    while isinstance(region, np.ndarray):
+        region = region.base
+    region = region.obj if isinstance(region, memoryview) else region
+    if not isinstance(region, mmap.mmap) or not hasattr(region, "madvise"):
+        return
+    size = block[index].nbytes
+    start = -(-index * size // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (index + 1) * size // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        region.madvise(mmap.MADV_DONTNEED, start, end - start)

@@ -12,7 +12,7 @@ reads each sequence's own cache, is done per sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -43,7 +43,6 @@ class HParams:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_expert: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def read_hparams(gguf: GGUFFile, arch: str) -> HParams:
