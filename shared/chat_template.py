@@ -140,7 +140,7 @@ class ChatTemplate:
 def chat_template_from_metadata(meta: dict[str, Any]) -> ChatTemplate | None:
     """The GGUF's own chat template with its BOS/EOS texts, or None when the file has none."""
     source = meta.get("tokenizer.chat_template")
-    if not source:
+    if not isinstance(source, str) or not source.strip():
         return None
     tokens = meta.get("tokenizer.ggml.tokens") or []
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
+from shared.chat_template import chat_template_from_metadata
 from shared.command_line import EnvParser, new_parser
 from shared.protocol import Finished, FinishReason, Generate, Message, Rejected, Tokens
 from shared.sampling_params import SamplingParams
@@ -35,10 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     from shared.default_model import default_model_path
     engine = Engine.load(args.model or default_model_path())
     tokenizer = engine.tokenizer
-    if args.raw or engine.template is None:
+    template = chat_template_from_metadata(engine.metadata)
+    if args.raw or template is None:
         prompt = tokenizer.encode(args.prompt)
     else:
-        text = engine.template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        text = template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
         prompt = tokenizer.encode(text, add_special=False)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     decoder = tokenizer.incremental_decoder(skip_special=True)

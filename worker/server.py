@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from shared.chat_template import chat_template_from_metadata
 from shared.protocol import (
     DEFAULT_ENDPOINT,
     HEARTBEAT_INTERVAL,
@@ -87,17 +88,18 @@ class WorkerServer:
 
     def _model_card(self) -> ModelCard:
         engine, sched = self.engine, self.settings.scheduler
+        template = chat_template_from_metadata(engine.metadata)
         return ModelCard(
             version=PROTOCOL_VERSION, model_id=engine.model_id, architecture=engine.architecture,
             context_budget=sched.ctx, n_vocab=engine.model.hp.n_vocab,
             tokenizer=engine.tokenizer.to_spec(),
-            chat_template=engine.template.source if engine.template else None,
+            chat_template=template.source if template else None,
             fingerprint=engine.fingerprint, instance=self.instance,
             capabilities=Capabilities(
                 context_length=engine.model.hp.context_length,
                 reasoning_tags=THINK_TAGS,
-                reasoning=has_reasoning_switch(engine.tokenizer, engine.template),
-                tool_call_tags=tool_call_tags(engine.tokenizer, engine.template),
+                reasoning=has_reasoning_switch(engine.tokenizer, template),
+                tool_call_tags=tool_call_tags(engine.tokenizer, template),
                 vision=False,  # no architecture here reads images
                 grammar=True, batch=sched.batch, kv_slots=sched.slot_count, queue=sched.queue,
                 kvstore=self.settings.spiller.store.describe() if self.settings.spiller else None,

@@ -27,3 +27,10 @@ def test_smollm2_has_neither(smollm_tokenizer, smollm_metadata):
     template = chat_template_from_metadata(smollm_metadata)
     assert not has_reasoning_switch(smollm_tokenizer, template)
     assert tool_call_tags(smollm_tokenizer, template) is None
+
+
+def test_a_file_without_a_template_has_none(smollm_metadata):
+    for source in (None, "", "  \n"):
+        assert chat_template_from_metadata({**smollm_metadata, "tokenizer.chat_template": source}) is None
+    template = chat_template_from_metadata(smollm_metadata)
+    assert template is not None and template.source == smollm_metadata["tokenizer.chat_template"]

@@ -1,4 +1,4 @@
-"""The engine: a loaded model with its tokenizer and template, and the identity of its KV.
+"""The engine: a loaded model with its tokenizer and metadata, and the identity of its KV.
 
 The worker's scheduler drives ``model.forward`` to batch streams (the one decode loop, also
 behind ``lmserve generate``); ``prefill`` feeds a prompt in chunks for the benchmarks and tests.
@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.chat_template import ChatTemplate
 from shared.tokenizer import Tokenizer
 from worker.engine.archs import load_model
 from worker.engine.gguf_file import GGUFFile
@@ -27,7 +26,6 @@ DEFAULT_PREFILL_CHUNK = 512
 class Engine:
     model: DecoderModel
     tokenizer: Tokenizer
-    template: ChatTemplate | None
     model_id: str
     fingerprint: str  # identifies weights + KV geometry: cached KV is only valid for the same
     metadata: dict = field(repr=False, default_factory=dict)
@@ -41,15 +39,8 @@ class Engine:
         gguf = GGUFFile(path, on_progress)
         model = load_model(gguf, exact, kv_type)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
-        source = gguf.metadata.get("tokenizer.chat_template")
-        template = None
-        if isinstance(source, str) and source.strip():
-            template = ChatTemplate(source, bos_token=tokenizer.id_to_piece(tokenizer.bos_id)
-                                    if tokenizer.bos_id is not None else "",
-                                    eos_token=tokenizer.id_to_piece(tokenizer.eos_id)
-                                    if tokenizer.eos_id is not None else "")
         name = os.path.splitext(os.path.basename(gguf.path))[0]
-        return cls(model, tokenizer, template, name, _fingerprint(gguf, model), gguf.metadata)
+        return cls(model, tokenizer, name, _fingerprint(gguf, model), gguf.metadata)
 
     @property
     def architecture(self) -> str:
