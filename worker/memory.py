@@ -1,12 +1,13 @@
 """How the worker's process asks the C allocator for memory.
 
 glibc serves a request below its mmap threshold from the heap, and that threshold rises by
-itself (up to 32 MiB) each time a larger mapped block is freed. A KV cache that grows, or
-goes, then leaves holes in the heap that later small allocations pin, and the process keeps
-them: serving a 2k and a 6.5k prompt cost the worker 230 MiB more than its caches held.
-Fixing the threshold keeps every large block (a cache, a weight being dequantized) mapped on
-its own, returned to the system when freed, while the step-sized temporaries of a forward
-pass, all below it, are still reused from the heap.
+itself (up to 32 MiB) each time a larger mapped block is freed. Large blocks that come and go
+then leave holes in the heap that later small allocations pin, and the process keeps them:
+when KV caches were still allocated through it, serving a 2k and a 6.5k prompt cost the worker
+230 MiB more than its caches held. KV caches now map their own memory (``kv_cache.mapped_block``);
+fixing the threshold does the same for every other large block (spilled chunks on their way to
+the writer, a weight being dequantized), while the step-sized temporaries of a forward pass,
+all below it, are still reused from the heap.
 """
 
 from __future__ import annotations

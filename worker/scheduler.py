@@ -309,10 +309,13 @@ class Scheduler:
             return
         chunk, length = self.spiller.chunk_tokens, stream.slot.cache.length
         if length // chunk > (length - added) // chunk:
-            try:
-                self.spiller.spill(stream.slot.cache)
-            except Exception:
-                log.exception("spilling KV of %s failed", stream.request.request_id)
+            self._spill(stream)
+
+    def _spill(self, stream: Stream) -> None:
+        try:
+            self.spiller.spill(stream.slot.cache)
+        except Exception:
+            log.exception("spilling KV of %s failed", stream.request.request_id)
 
     def _masks(self, streams: list[Stream]) -> dict[int, np.ndarray]:
         """One bitmask computation for every constrained stream of this step; if that fails,
@@ -401,10 +404,7 @@ class Scheduler:
         if stream.slot is not None:
             self.pool.release(stream.slot)
             if self.spiller is not None and reason != FinishReason.ERROR:
-                try:
-                    self.spiller.spill(stream.slot.cache)
-                except Exception:
-                    log.exception("spilling KV of %s failed", stream.request.request_id)
+                self._spill(stream)
         self.send(stream.gateway, Finished(
             stream.request.request_id, reason, len(stream.request.prompt), stream.cached,
             stream.completion, error))

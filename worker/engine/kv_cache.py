@@ -5,8 +5,9 @@ full context, and ``truncate`` keeps a shared prefix for reuse by the next reque
 of all layers are one anonymous memory mapping, and so are the values: a cache that goes is
 returned to the system at once (no holes left in the heap), and a cache that grows lets go of
 each old layer's pages as soon as that layer is copied, so growing holds the old block and one
-layer of the new, not both blocks. Keys and values are held as IEEE halves (``f16``, the default: half the memory, spilled chunks
-included) or as float32 (``f32``); either way attention computes in float32.
+layer of the new, not both blocks. Keys and values are held as IEEE halves (``f16``, the
+default: half the memory, spilled chunks included) or as float32 (``f32``); either way
+attention computes in float32.
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ class KVCache:
             raise ValueError(f"KV cache holds at most {self.max_tokens} tokens, {needed} needed")
         new_capacity = min(self.max_tokens, -(-needed // GROWTH_BLOCK) * GROWTH_BLOCK)
         shape = (self.n_layer, self.n_kv_head, new_capacity)
-        keys, values = mapped_block(shape + (self.head_dim,), self.dtype), mapped_block(shape + (self.value_dim,), self.dtype)
-        for layer in range(self.n_layer if self.capacity else 0):
-            keys[layer, :, :self.length] = self.keys[layer][:, :self.length]
-            values[layer, :, :self.length] = self.values[layer][:, :self.length]
-            if self._blocks is not None:
+        keys = mapped_block(shape + (self.head_dim,), self.dtype)
+        values = mapped_block(shape + (self.value_dim,), self.dtype)
+        if self._blocks is not None:  # copy the valid prefix, giving back each old layer once copied
+            for layer in range(self.n_layer):
+                keys[layer, :, :self.length] = self.keys[layer][:, :self.length]
+                values[layer, :, :self.length] = self.values[layer][:, :self.length]
                 for block in self._blocks:
                     release_pages(block, layer)
         self._blocks = keys, values
