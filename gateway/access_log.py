@@ -20,7 +20,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.dialects import ANTHROPIC, CHAT, RESPONSES
+from gateway.dialects import dialect_of_path
 from gateway.neutral import (
     Event,
     Finish,
@@ -35,17 +35,12 @@ SCOPE_KEY = "lmserve.access"
 # Probes arrive every few seconds from a proxy or orchestrator; logged only at debug level
 # unless they fail, so they do not drown the requests.
 PROBE_PATHS = {"/health", "/", "/api/hello"}
-DIALECT_PATHS = (("/v1/chat/completions", CHAT), ("/v1/responses", RESPONSES), ("/v1/messages", ANTHROPIC))
 
 log = logging.getLogger("lmserve.access")
 
 
 def gateway_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def dialect_of(path: str) -> str | None:
-    return next((name for prefix, name in DIALECT_PATHS if path.startswith(prefix)), None)
 
 
 @dataclass
@@ -65,7 +60,7 @@ class AccessRecord:
         def ms(at: float | None) -> float | None:
             return None if at is None else round((at - self.started) * 1000, 1)
 
-        return {"gateway": gateway, "dialect": dialect_of(self.path), "method": self.method,
+        return {"gateway": gateway, "dialect": dialect_of_path(self.path), "method": self.method,
                 "path": self.path, "status": self.status, "stream": self.stream,
                 "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "completion_tokens": self.completion_tokens, "finish": self.finish,

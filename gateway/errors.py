@@ -12,7 +12,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from gateway.dialects import ANTHROPIC, CHAT, RESPONSES
+from gateway.dialects import ANTHROPIC, CHAT, RESPONSES, dialect_of_path
 from shared.errors import ContextOverflowError, LmserveError
 
 # status -> (OpenAI type, OpenAI code)
@@ -44,12 +44,9 @@ def request_id() -> str:
 
 def dialect_for_path(path: str, headers: Any = None) -> str:
     """Which envelope an error on this path should use (for 404s and edge errors too)."""
-    if path.startswith("/v1/messages"):
-        return ANTHROPIC
-    if path.startswith("/v1/responses"):
-        return RESPONSES
-    if path.startswith(("/v1/chat/", "/v1/completions")):
-        return CHAT
+    dialect = dialect_of_path(path)
+    if dialect is not None:
+        return dialect
     if headers is not None and ("anthropic-version" in headers or "x-api-key" in headers):
         return ANTHROPIC
     return CHAT

@@ -86,6 +86,10 @@ class WorkerClient:
     def ready(self) -> bool:
         return self._ready.is_set()
 
+    def was_cut_off(self, request_id: str) -> bool:
+        """Whether a request was dropped because its reader fell ``max_buffered`` replies behind."""
+        return request_id in self._cut
+
     async def start(self) -> None:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)

@@ -68,7 +68,7 @@ SMOLLM2_PROMPT = (
     "<|im_start|>assistant\n"
 )
 
-TINY_MODELS = {"llama_tiny": "llama", "qwen3_tiny": "qwen3", "qwen3moe_tiny": "qwen3moe"}
+TINY_MODELS = {f"{arch}_tiny": arch for arch in tiny_models.ARCHS}  # every registered architecture
 ALL_NAMES = [*TINY_MODELS, "smollm2"]
 
 # One context, one batch holding every token, f32 everywhere llama.cpp would otherwise round

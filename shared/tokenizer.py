@@ -1,7 +1,9 @@
 """The model's tokenizer, built from GGUF metadata alone.
 
-Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) are built; the
-encoding itself runs in the ``tokenizers`` library. What a GGUF file says, and how we read it:
+``tokenizer.ggml.model`` names the kind of vocabulary, and ``VOCABULARY_MODELS`` maps it to
+the class that builds it: what it reads from the metadata, how a token string maps to bytes,
+and the encoder (in the ``tokenizers`` library). Byte-level BPE (``"gpt2"``) is the kind built
+today. What a GGUF file says, and how we read it:
 
 - ``tokenizer.ggml.pre`` names the pre-tokenizer: a list of split regexes applied one after
   another, each splitting the pieces the previous one left (matches and gaps both kept). The
@@ -36,9 +38,7 @@ from shared.errors import TokenizerError
 log = logging.getLogger(__name__)
 
 SPEC_FORMAT = 1
-_SPEC_KEYS = ("model", "pre", "tokens", "merges", "token_types", "bos_id", "eos_id", "add_bos",
-              "add_eos")
-SUPPORTED_MODELS = ("gpt2",)
+_SPEC_KEYS = ("model", "tokens", "token_types", "bos_id", "eos_id", "add_bos", "add_eos")
 
 TOKEN_NORMAL = 1
 TOKEN_UNKNOWN = 2
@@ -121,15 +121,6 @@ def byte_level_alphabet() -> tuple[str, ...]:
 _CHAR_TO_LATIN1 = {ord(char): byte for byte, char in enumerate(byte_level_alphabet())}
 
 
-def _piece_bytes(piece: str) -> bytes:
-    """The bytes a byte-level token string stands for."""
-    try:
-        return piece.translate(_CHAR_TO_LATIN1).encode("latin-1")
-    except UnicodeEncodeError:
-        # A character outside the byte alphabet: the converter stored raw text; keep it.
-        return piece.encode("utf-8")
-
-
 def _get(meta: dict[str, Any], key: str, kind: type, required: bool = True) -> Any:
     value = meta.get(key)
     if value is None:
@@ -151,16 +142,105 @@ def _optional_id(meta: dict[str, Any], key: str, vocab_size: int) -> int | None:
     return value
 
 
+class VocabularyModel:
+    """One kind of vocabulary (a ``tokenizer.ggml.model`` value): what it reads beyond the
+    tokens, how a token string maps to bytes, and the encoder that splits text into them."""
+
+    name: str
+
+    @classmethod
+    def read(cls, meta: dict[str, Any]) -> dict[str, Any]:
+        """The spec entries of this kind from GGUF metadata; raises TokenizerError."""
+        raise NotImplementedError
+
+    @classmethod
+    def check(cls, spec: dict[str, Any]) -> None:
+        """Raise TokenizerError when a received spec lacks or garbles this kind's entries."""
+
+    @classmethod
+    def add_bos_default(cls, spec: dict[str, Any]) -> bool:
+        return False
+
+    @classmethod
+    def piece_bytes(cls, piece: str) -> bytes:
+        raise NotImplementedError
+
+    @classmethod
+    def encoder(cls, spec: dict[str, Any], vocab: dict[str, int]) -> _HFTokenizer:
+        """The encoder over the ordinary tokens; added tokens are registered by the caller."""
+        raise NotImplementedError
+
+
+class ByteLevelBPE(VocabularyModel):
+    """GPT-2-style byte-level BPE: token strings in the byte alphabet, ranked merges, and a
+    pre-tokenizer named by ``tokenizer.ggml.pre``."""
+
+    name = "gpt2"
+
+    @classmethod
+    def read(cls, meta: dict[str, Any]) -> dict[str, Any]:
+        merges = _get(meta, "tokenizer.ggml.merges", list)
+        pre = meta.get("tokenizer.ggml.pre") or ""
+        if not pre:
+            log.warning("GGUF has no tokenizer.ggml.pre; using the 'default' pre-tokenizer, "
+                        "which may not match how the model was trained")
+            pre = "default"
+        _check_pre(pre)
+        return {"pre": pre, "merges": merges}
+
+    @classmethod
+    def check(cls, spec: dict[str, Any]) -> None:
+        if not isinstance(spec.get("merges"), list):
+            raise TokenizerError("tokenizer spec lacks merges")
+        _check_pre(spec.get("pre"))
+
+    @classmethod
+    def add_bos_default(cls, spec: dict[str, Any]) -> bool:
+        return PRE_KINDS[PRE_NAMES[spec["pre"]]].add_bos_default
+
+    @classmethod
+    def piece_bytes(cls, piece: str) -> bytes:
+        try:
+            return piece.translate(_CHAR_TO_LATIN1).encode("latin-1")
+        except UnicodeEncodeError:
+            # A character outside the byte alphabet: the converter stored raw text; keep it.
+            return piece.encode("utf-8")
+
+    @classmethod
+    def encoder(cls, spec: dict[str, Any], vocab: dict[str, int]) -> _HFTokenizer:
+        kind = PRE_KINDS[PRE_NAMES[spec["pre"]]]
+        merges = []
+        for line in spec["merges"]:
+            # Split at the first space after the first character, so a merge whose left part
+            # is itself a space (raw-text vocabularies) still parses.
+            cut = line.find(" ", 1)
+            if cut < 0:
+                raise TokenizerError(f"malformed BPE merge {line!r}: expected 'left right'")
+            merges.append((line[:cut], line[cut + 1:]))
+        try:
+            backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=kind.ignore_merges))
+        except Exception as exc:  # the tokenizers library raises a bare Exception here
+            raise TokenizerError(f"the vocabulary's BPE merges are inconsistent: {exc}") from exc
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in kind.splits]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+        return backend
+
+
+# tokenizer.ggml.model -> the kind that builds it
+VOCABULARY_MODELS: dict[str, type[VocabularyModel]] = {model.name: model for model in (ByteLevelBPE,)}
+
+
 class Tokenizer:
-    """Byte-level BPE tokenizer: text <-> token ids, exactly as the model was trained to see them."""
+    """Text <-> token ids, exactly as the model was trained to see them."""
 
     def __init__(self, spec: dict[str, Any]):
         """Build from a spec (see ``to_spec``); use ``from_gguf_metadata`` or ``from_spec``."""
         self._spec = spec
         self._tokens: list[str] = list(spec["tokens"])
         self._types: bytes = bytes(spec["token_types"])
-        self._pre_name: str = spec["pre"]
-        self._kind = PRE_KINDS[PRE_NAMES[self._pre_name]]
+        self._model = VOCABULARY_MODELS[spec["model"]]
         self._bos_id: int | None = spec.get("bos_id")
         self._eos_id: int | None = spec.get("eos_id")
         self._add_bos: bool = bool(spec["add_bos"])
@@ -185,11 +265,12 @@ class Tokenizer:
         # Added tokens are raw text; everything else is a byte-level string.
         self._bytes: list[bytes] = [
             piece.encode("utf-8") if index in self._special_ids or index in self._user_defined_ids
-            else _piece_bytes(piece)
+            else self._model.piece_bytes(piece)
             for index, piece in enumerate(self._tokens)
         ]
         self._with_special = self._build_backend(match_special=True)
         self._plain: _HFTokenizer | None = None  # built on first parse_special=False call
+        self._max_token_chars: int | None = None
         self._plain_lock = threading.Lock()
 
     # --- construction ---------------------------------------------------------------------
@@ -198,13 +279,13 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         """Build from ``GGUFFile(path).metadata``. Raises TokenizerError naming what is wrong."""
         model = meta.get("tokenizer.ggml.model")
-        if model not in SUPPORTED_MODELS:
+        if model not in VOCABULARY_MODELS:
             raise TokenizerError(
-                f"tokenizer.ggml.model is {model!r}; lmserve builds only byte-level BPE vocabularies "
-                f"(supported: {', '.join(SUPPORTED_MODELS)})"
+                f"tokenizer.ggml.model is {model!r}, a kind of vocabulary lmserve does not build "
+                f"(supported: {', '.join(VOCABULARY_MODELS)})"
             )
+        vocabulary = VOCABULARY_MODELS[model]
         tokens = _get(meta, "tokenizer.ggml.tokens", list)
-        merges = _get(meta, "tokenizer.ggml.merges", list)
         types = _get(meta, "tokenizer.ggml.token_type", list, required=False)
         if types is None:
             types = [TOKEN_NORMAL] * len(tokens)
@@ -212,13 +293,7 @@ class Tokenizer:
             raise TokenizerError(
                 f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
             )
-        pre = meta.get("tokenizer.ggml.pre") or ""
-        if not pre:
-            log.warning("GGUF has no tokenizer.ggml.pre; using the 'default' pre-tokenizer, "
-                        "which may not match how the model was trained")
-            pre = "default"
-        _check_pre(pre)
-        kind = PRE_KINDS[PRE_NAMES[pre]]
+        entries = vocabulary.read(meta)
         add_bos = meta.get("tokenizer.ggml.add_bos_token")
         add_eos = meta.get("tokenizer.ggml.add_eos_token")
         size = len(tokens)
@@ -229,15 +304,14 @@ class Tokenizer:
         spec = {
             "format": SPEC_FORMAT,
             "model": model,
-            "pre": pre,
+            **entries,
             "tokens": tokens,
-            "merges": merges,
             "token_types": type_bytes,
             "bos_id": _optional_id(meta, "tokenizer.ggml.bos_token_id", size),
             "eos_id": _optional_id(meta, "tokenizer.ggml.eos_token_id", size),
             "eot_id": _optional_id(meta, "tokenizer.ggml.eot_token_id", size),
             "eom_id": _optional_id(meta, "tokenizer.ggml.eom_token_id", size),
-            "add_bos": kind.add_bos_default if add_bos is None else bool(add_bos),
+            "add_bos": vocabulary.add_bos_default(entries) if add_bos is None else bool(add_bos),
             "add_eos": False if add_eos is None else bool(add_eos),
         }
         return cls.from_spec(spec)
@@ -250,15 +324,15 @@ class Tokenizer:
             raise TokenizerError(
                 f"tokenizer spec format {found!r} is not the supported format {SPEC_FORMAT}"
             )
-        if spec.get("model") not in SUPPORTED_MODELS:
+        if spec.get("model") not in VOCABULARY_MODELS:
             raise TokenizerError(
                 f"tokenizer spec model {spec.get('model')!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODELS)})"
+                f"(supported: {', '.join(VOCABULARY_MODELS)})"
             )
         missing = [key for key in _SPEC_KEYS if key not in spec]
         if missing:
             raise TokenizerError(f"tokenizer spec lacks {', '.join(missing)}")
-        _check_pre(spec.get("pre"))
+        VOCABULARY_MODELS[spec["model"]].check(spec)
         size = len(spec["tokens"])
         if len(spec["token_types"]) != size:
             raise TokenizerError(f"tokenizer spec has {len(spec['token_types'])} token types "
@@ -276,24 +350,7 @@ class Tokenizer:
         return dict(self._spec)
 
     def _build_backend(self, match_special: bool) -> _HFTokenizer:
-        vocab = self._piece_to_id
-        merges = []
-        for line in self._spec["merges"]:
-            # Split at the first space after the first character, so a merge whose left part
-            # is itself a space (raw-text vocabularies) still parses.
-            cut = line.find(" ", 1)
-            if cut < 0:
-                raise TokenizerError(f"malformed BPE merge {line!r}: expected 'left right'")
-            merges.append((line[:cut], line[cut + 1:]))
-        try:
-            backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges,
-                                              ignore_merges=self._kind.ignore_merges))
-        except Exception as exc:  # the tokenizers library raises a bare Exception here
-            raise TokenizerError(f"the vocabulary's BPE merges are inconsistent: {exc}") from exc
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in self._kind.splits]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
+        backend = self._model.encoder(self._spec, self._piece_to_id)
         backend.add_special_tokens(
             [AddedToken(self._tokens[i], special=True, normalized=False) for i in sorted(self._special_ids)]
         )
@@ -369,8 +426,9 @@ class Tokenizer:
         return self._add_eos
 
     @property
-    def pre(self) -> str:
-        return self._pre_name
+    def pre(self) -> str | None:
+        """The pre-tokenizer's name, for the kinds of vocabulary that have one."""
+        return self._spec.get("pre")
 
     @property
     def stop_ids(self) -> frozenset[int]:
@@ -386,6 +444,14 @@ class Tokenizer:
     def user_defined_ids(self) -> frozenset[int]:
         """User-defined added tokens (e.g. ``<think>``): always matched, always decoded."""
         return self._user_defined_ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """No token stands for more characters of text than this, so a text of n characters
+        is at least n / max_token_chars tokens (a bound found without tokenizing it)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self._tokens), default=1) or 1
+        return self._max_token_chars
 
     def token_type(self, token_id: int) -> int:
         """GGUF token type (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte)."""

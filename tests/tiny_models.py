@@ -2,7 +2,9 @@
 
 Architectures without small public weights are tested on files made here: a few layers of
 n_embd 64 with random weights, but with a real tokenizer in the metadata so that llama.cpp
-accepts the file and produces reference logits (``scripts/regen_logit_fixtures.py``).
+accepts the file and produces reference logits (``scripts/regen_logit_fixtures.py``). The
+tensors written are the ones the architecture file declares (``layer_tensors``), so a new
+family needs only its hyperparameters below.
 
 * ``llama``: GQA (4 query heads, 2 KV heads, head_dim 16), untied ``output.weight``.
 * ``qwen3``: head_dim 32 while n_embd / n_head is 16 (as in real Qwen3), per-head Q/K RMSNorm,
@@ -26,7 +28,10 @@ from typing import Any
 import gguf
 import numpy as np
 
-ARCHS = ("llama", "qwen3", "qwen3moe")
+from worker.engine.archs import ARCHITECTURES
+from worker.engine.model import DENSE, NORM, HParams
+
+ARCHS = tuple(ARCHITECTURES)
 
 # Per-architecture defaults; every key may be overridden by keyword.
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -195,8 +200,7 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
     n_vocab = len(vocab["tokenizer.ggml.tokens"])
     n_embd, n_head, n_head_kv, head_dim = hp["n_embd"], hp["n_head"], hp["n_head_kv"], hp["head_dim"]
     n_q, n_kv = n_head * head_dim, n_head_kv * head_dim
-    is_moe = arch == "qwen3moe"
-    has_qk_norm = arch in ("qwen3", "qwen3moe")
+    is_moe = bool(hp.get("n_expert"))
     name = overrides.get("name", f"tiny-{arch}-seed{seed}")
 
     writer = gguf.GGUFWriter(os.fspath(path), arch)
@@ -229,39 +233,29 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
         # misapplied norm changes the logits.
         return np.float32(1.0) + normal((size,), 0.1)
 
-    def proj(n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
-        # std gain/sqrt(n_in) keeps a unit-variance input at unit variance; residual
-        # branches use gain 0.5 so the token embedding is not washed out after a few layers.
-        return normal((n_out, n_in), gain / np.sqrt(n_in))
-
     sink = _TensorSink(writer, hp["tensor_type"])
     # Embedding std 0.3: with a unit-RMS final hidden state, tied logits get std ~2.4, peaked
     # enough for a clear top-1 but far from one-hot.
     sink.add("token_embd.weight", normal((n_vocab, n_embd), 0.3))
+    declared = HParams(
+        n_vocab=n_vocab, n_embd=n_embd, n_layer=hp["n_layer"], n_head=n_head, n_head_kv=n_head_kv,
+        head_dim=head_dim, value_dim=head_dim, n_ff=hp["n_ff"], context_length=hp["context_length"],
+        rope_base=float(hp["rope_base"]), rope_dims=head_dim, rope_freq_scale=1.0, rms_eps=float(hp["rms_eps"]),
+        n_expert=hp.get("n_expert", 0), n_expert_used=hp.get("n_expert_used", 0), n_ff_expert=hp.get("n_ff_exp", 0))
     for layer in range(hp["n_layer"]):
-        blk = f"blk.{layer}"
-        sink.add(f"{blk}.attn_norm.weight", norm_weight(n_embd))
-        sink.add(f"{blk}.attn_q.weight", proj(n_q, n_embd))
-        sink.add(f"{blk}.attn_k.weight", proj(n_kv, n_embd))
-        sink.add(f"{blk}.attn_v.weight", proj(n_kv, n_embd))
-        if has_qk_norm:
-            sink.add(f"{blk}.attn_q_norm.weight", norm_weight(head_dim))
-            sink.add(f"{blk}.attn_k_norm.weight", norm_weight(head_dim))
-        sink.add(f"{blk}.attn_output.weight", proj(n_embd, n_q, gain=0.5))
-        sink.add(f"{blk}.ffn_norm.weight", norm_weight(n_embd))
-        if is_moe:
-            n_expert, n_ff_exp = hp["n_expert"], hp["n_ff_exp"]
-            sink.add(f"{blk}.ffn_gate_inp.weight", proj(n_expert, n_embd), keep_f32=True)
-            sink.add(f"{blk}.ffn_gate_exps.weight",
-                     normal((n_expert, n_ff_exp, n_embd), 1.0 / np.sqrt(n_embd)))
-            sink.add(f"{blk}.ffn_up_exps.weight",
-                     normal((n_expert, n_ff_exp, n_embd), 1.0 / np.sqrt(n_embd)))
-            sink.add(f"{blk}.ffn_down_exps.weight",
-                     normal((n_expert, n_embd, n_ff_exp), 0.5 / np.sqrt(n_ff_exp)))
-        else:
-            sink.add(f"{blk}.ffn_gate.weight", proj(hp["n_ff"], n_embd))
-            sink.add(f"{blk}.ffn_up.weight", proj(hp["n_ff"], n_embd))
-            sink.add(f"{blk}.ffn_down.weight", proj(n_embd, hp["n_ff"], gain=0.5))
+        for tensor in ARCHITECTURES[arch].layer_tensors(declared, layer):
+            if tensor.optional:
+                continue
+            if tensor.kind == NORM:
+                value = norm_weight(tensor.shape[0])
+            else:
+                # gain/sqrt(n_in) keeps a unit-variance input at unit variance; projections
+                # that write the residual stream use gain 0.5 so the token embedding is not
+                # washed out after a few layers.
+                gain = 0.5 if tensor.name.startswith(("attn_output.", "ffn_down")) else 1.0
+                value = normal(tensor.shape, gain / np.sqrt(tensor.shape[-1]))
+            # the router stays F32, as llama-quantize keeps it
+            sink.add(f"blk.{layer}.{tensor.name}", value, keep_f32=tensor.kind == DENSE)
     sink.add("output_norm.weight", norm_weight(n_embd))
     if not hp["tied"]:
         sink.add("output.weight", normal((n_vocab, n_embd), 0.3))

@@ -53,7 +53,7 @@ def test_compiled_store_rounds_like_numpy():
     compiled = KVCache(1, 2, 16, 64, kv_type="f16")
     compiled.reserve(5)
     out = np.empty((5, 4 * 16), dtype=np.float32)
-    compiled.store_and_attend(0, q, k, v, 0.25, None, out)
+    compiled.store_and_attend(0, q, k, v, 0.25, 0, out)
     compiled.commit(list(range(5)))
     np.testing.assert_array_equal(compiled.export(0, 5)[0][0], k.transpose(1, 0, 2).astype(np.float16))
     np.testing.assert_array_equal(compiled.export(0, 5)[1][0], v.transpose(1, 0, 2).astype(np.float16))

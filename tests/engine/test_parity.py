@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tiny_models import write_tiny_gguf
+from tiny_models import ARCHS, write_tiny_gguf
 
 from worker.engine.archs import load_model
 from worker.engine.gguf_file import GGUFFile
@@ -66,7 +66,7 @@ KV_TOLERANCE = {"f32": 1e-3, "f16": 1e-2}
 
 
 @pytest.mark.parametrize("kv_type", sorted(KV_TOLERANCE))
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3moe"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_model_logits_match_llama_cpp(arch, kv_type, tmp_path):
     fixture = _fixture(f"{arch}_tiny")
     rebuild = fixture["meta"]["model"]
@@ -156,7 +156,7 @@ def test_batched_forward_matches_one_at_a_time(path, smollm2, smollm2_served):
         assert a.argmax() == b.argmax()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3moe"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_compiled_block_steps_match_the_step_by_step_path(arch, tmp_path):
     """The three compiled calls of a block (kernels/fused.py) against the same block computed
     op by op in ops.py (the path of layers the compiled steps cannot take), on the tiny F32

@@ -211,6 +211,14 @@ def test_every_known_pre_tokenizer_builds_and_round_trips(pre, smollm_metadata, 
         assert tokenizer.decode(tokenizer.encode(text, add_special=False)) == text
 
 
+@pytest.mark.parametrize(("damage", "message"), [
+    ({"merges": None}, "lacks merges"), ({"pre": "martian"}, "'martian'"), ({"model": "llama"}, "'llama'")])
+def test_a_received_spec_is_checked_by_its_kind_of_vocabulary(smollm_tokenizer, damage, message):
+    """The kind named by ``model`` checks its own entries (byte-level BPE: merges and pre)."""
+    with pytest.raises(TokenizerError, match=message):
+        Tokenizer.from_spec({**smollm_tokenizer.to_spec(), **damage})
+
+
 def test_unknown_tokenizer_model_is_a_clear_error(smollm_metadata):
     with pytest.raises(TokenizerError) as info:
         Tokenizer.from_gguf_metadata(_with(smollm_metadata, model="llama"))

@@ -346,10 +346,14 @@ def test_a_reader_that_falls_behind_is_cut_off_and_frees_the_worker(batch_worker
         await client.start()
         await client.wait_ready(60)
         try:
-            stream = client.generate(Generate(client.new_request_id(), [1, 2, 3],
-                                              SamplingParams(temperature=1.0, seed=0), 500, stop_ids=[]))
+            rid = client.new_request_id()
+            stream = client.generate(Generate(rid, [1, 2, 3], SamplingParams(temperature=1.0, seed=0), 500,
+                                              stop_ids=[]))
             assert isinstance(await stream.__anext__(), Accepted)
-            await asyncio.sleep(3)  # read nothing while the worker produces
+            for _ in range(600):  # read nothing while the worker produces, until the client gives up
+                if client.was_cut_off(rid):
+                    break
+                await asyncio.sleep(0.1)
             with pytest.raises(Exception, match="too slowly"):
                 async for _ in stream:
                     pass

@@ -75,11 +75,12 @@ class KVCache:
         return self.keys[layer][:, :end], self.values[layer][:, :end]
 
     def store_and_attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
-                         window: int | None, out: np.ndarray) -> np.ndarray:
+                         window: int, out: np.ndarray, softcap: float = 0.0) -> np.ndarray:
         """``write`` and attention over the result in one compiled call (``attention.store_and_attend``):
-        q [T, H, d], k [T, K, d], v [T, K, dv] float32, C-ordered; out [T, H*dv]."""
+        q [T, H, d], k [T, K, d], v [T, K, dv] float32, C-ordered; out [T, H*dv]; window and
+        softcap 0 for none."""
         return attention.store_and_attend(q, k, v, *self.kernel_arrays(layer), self.length, np.float32(scale),
-                                          window or 0, np.float32(0.0), out)
+                                          window, np.float32(softcap), out)
 
     def kernel_arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """A layer's keys and values as the compiled attention reads them (``kernel_view``)."""

@@ -1,9 +1,11 @@
 """The decoder-only transformer every architecture file fills in.
 
-An architecture subclass declares what it reads (hyperparameters), what it loads (tensors by
-their GGUF names) and its block (``block``); this base class owns what all of them share: the
-embedding, the output head, the forward pass over a batch of sequences and its KV caches, and
-the attention step with RoPE.
+An architecture file declares its family: the hyperparameters it reads (``read_hparams``), the
+tensors of a layer by their GGUF names (``layer_tensors``), each layer's RoPE (``rope``) and
+attention options (``attention``), the FFN activation, and, where the family departs from the
+pre-norm attention + gated-FFN block, its ``block``. This base class owns what all of them
+share: loading what was declared, the embedding, the output head, the forward pass over a batch
+of sequences and its KV caches, attention with RoPE, and the compiled block steps.
 
 One ``forward`` call runs one weight pass for several sequences at once: the new tokens of all
 of them are stacked into one [T, D] matrix for every projection, and only attention, which
@@ -12,7 +14,7 @@ reads each sequence's own cache, is done per sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -92,14 +94,60 @@ def read_hparams(gguf: GGUFFile, arch: str) -> HParams:
     )
 
 
+# What a layer tensor is, for loading it (and for writing synthetic files from the declaration).
+MATRIX = "matrix"  # a weight matrix, held in the file's blocks (dequantized in exact mode)
+DENSE = "dense"  # a small matrix read as float32 (a router)
+NORM = "norm"  # a norm's weight vector, float32
+BIAS = "bias"  # a bias vector, float32
+
+
+@dataclass(frozen=True)
+class LayerTensor:
+    """One tensor of a layer: the key the block reads it by, its GGUF name after ``blk.N.``,
+    its shape (numpy order: rows first) and kind; an optional one may be absent from a file."""
+
+    key: str
+    name: str
+    shape: tuple[int, ...]
+    kind: str = MATRIX
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class Rope:
+    """How a layer rotates Q and K: ``dims`` leading dims of each head in pairs (i, i + dims/2),
+    or (2i, 2i + 1) when ``adjacent``, at angle position · freq_scale · base^(-2i/dims) / factor_i."""
+
+    base: float
+    dims: int
+    freq_scale: float = 1.0
+    adjacent: bool = False
+    factors: np.ndarray | None = field(default=None, compare=False)
+
+    def inverse_frequencies(self) -> np.ndarray:
+        return ops.rope_inverse_frequencies(self.dims, self.base, self.freq_scale, self.factors)
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """A layer's attention: the score scale, a sliding window (0: the whole context) and a
+    tanh soft cap on the scores (0: none)."""
+
+    scale: float
+    window: int = 0
+    softcap: float = 0.0
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")  # of the gate in the gated FFN
+
+
 @dataclass
 class ForwardPass:
     """Per-call state the blocks need: where each sequence's rows are and their positions."""
 
     caches: list[KVCache]
     spans: list[tuple[int, int]]  # row range of each sequence in the stacked [T, D] input
-    cos: np.ndarray  # [T, rope_dims/2] for every stacked row
-    sin: np.ndarray
+    rope: list[tuple[np.ndarray, np.ndarray, bool]]  # per layer: cos, sin [T, dims/2] of every row; adjacent
 
 
 @dataclass(frozen=True)
@@ -112,11 +160,13 @@ class FusedLayer:
 
 
 class DecoderModel:
-    """Base of every architecture: subclasses set ``architecture`` and fill in the hooks."""
+    """Base of every architecture: subclasses set ``architecture`` and declare their family."""
 
     architecture: ClassVar[str]
-    # RoPE pairs: (i, i + d/2) by default; (2i, 2i + 1) where the file's Q/K rows are ordered so
+    # RoPE pairs of the default ``rope``: (i, i + d/2), or (2i, 2i + 1) where the file's Q/K rows
+    # are ordered so
     rope_adjacent: ClassVar[bool] = False
+    activation: ClassVar[str] = "silu"  # the gate's activation in the gated FFN (ACTIVATIONS)
 
     def __init__(self, gguf: GGUFFile, exact: bool = False, kv_type: str = "f16"):
         self.path = gguf.path
@@ -125,6 +175,8 @@ class DecoderModel:
         self.exact = exact
         if kv_type not in KV_TYPES:
             raise ModelLoadError(f"unknown KV cache type {kv_type!r}: use one of {', '.join(KV_TYPES)}")
+        if self.activation not in ACTIVATIONS:
+            raise ModelLoadError(f"{self.architecture}: unknown FFN activation {self.activation!r}")
         self.kv_type = kv_type
         self.hp = self.read_hparams(gguf)
         self.layers: list[dict[str, Any]] = []
@@ -140,63 +192,103 @@ class DecoderModel:
                        if gguf.has_tensor("output.weight") else self.token_embd)
         self.layers = [self.load_layer(gguf, i) for i in range(self.hp.n_layer)]
         self.fused = [self.fused_layer(layer) for layer in self.layers]
-        self.inv_freq = ops.rope_inverse_frequencies(
-            self.hp.rope_dims, self.hp.rope_base, self.hp.rope_freq_scale, self.rope_freq_factors(gguf))
-        self.attn_scale = 1.0 / float(np.sqrt(self.hp.head_dim))
+        self.rope_factors = self.rope_freq_factors(gguf)
+        self.attention_options = [self.attention(i) for i in range(self.hp.n_layer)]
+        # layers that rotate alike share one table of angles per forward pass
+        tables: dict[tuple[bytes, bool], int] = {}
+        self.rope_tables: list[tuple[np.ndarray, bool]] = []
+        self.layer_rope: list[int] = []
+        for i in range(self.hp.n_layer):
+            rope = self.rope(i)
+            inv_freq = rope.inverse_frequencies()
+            key = (inv_freq.tobytes(), rope.adjacent)
+            if key not in tables:
+                tables[key] = len(self.rope_tables)
+                self.rope_tables.append((inv_freq, rope.adjacent))
+            self.layer_rope.append(tables[key])
         self.dense_fallbacks = dict(gguf.dense_fallbacks)
 
-    # --- what an architecture file provides ---------------------------------------------------
+    # --- what an architecture file declares ---------------------------------------------------
 
     def read_hparams(self, gguf: GGUFFile) -> HParams:
         return read_hparams(gguf, self.architecture)
 
-    def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, Any]:
-        raise NotImplementedError
+    @classmethod
+    def layer_tensors(cls, hp: HParams, i: int) -> list[LayerTensor]:
+        """The tensors of layer i; the default is the pre-norm block with a gated FFN."""
+        return cls.attention_tensors(hp) + cls.ffn_tensors(hp)
+
+    def rope(self, i: int) -> Rope:
+        """Layer i's RoPE; the default is the file's one RoPE for every layer."""
+        hp = self.hp
+        return Rope(hp.rope_base, hp.rope_dims, hp.rope_freq_scale, self.rope_adjacent, self.rope_factors)
+
+    def attention(self, i: int) -> AttentionOptions:
+        """Layer i's attention options; the default is 1/√d over the whole context."""
+        return AttentionOptions(scale=1.0 / float(np.sqrt(self.hp.head_dim)))
 
     def block(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
-        raise NotImplementedError
+        """One layer on the stacked rows x [T, D]; the default is ``dense_block``."""
+        return self.dense_block(i, x, fp)
 
     def rope_freq_factors(self, gguf: GGUFFile) -> np.ndarray | None:
         return gguf.tensor("rope_freqs.weight") if gguf.has_tensor("rope_freqs.weight") else None
 
-    # --- loading helpers the architecture files share ----------------------------------------
+    # --- declarations the architecture files share -------------------------------------------
+
+    @staticmethod
+    def attention_tensors(hp: HParams, qk_norm: bool = False) -> list[LayerTensor]:
+        """Pre-norm attention: the norm, Q, K, V (optional biases), per-head Q/K norms where the
+        family has them, the output projection."""
+        d = hp.n_embd
+        rows = {"q": hp.n_head * hp.head_dim, "k": hp.n_head_kv * hp.head_dim, "v": hp.n_head_kv * hp.value_dim}
+        tensors = [LayerTensor("attn_norm", "attn_norm.weight", (d,), NORM)]
+        tensors += [LayerTensor(f"w{n}", f"attn_{n}.weight", (r, d)) for n, r in rows.items()]
+        tensors += [LayerTensor(f"b{n}", f"attn_{n}.bias", (r,), BIAS, optional=True) for n, r in rows.items()]
+        if qk_norm:
+            tensors += [LayerTensor("q_norm", "attn_q_norm.weight", (hp.head_dim,), NORM),
+                        LayerTensor("k_norm", "attn_k_norm.weight", (hp.head_dim,), NORM)]
+        return tensors + [LayerTensor("wo", "attn_output.weight", (d, hp.n_head * hp.value_dim))]
+
+    @staticmethod
+    def ffn_tensors(hp: HParams) -> list[LayerTensor]:
+        """Pre-norm gated FFN: the norm, gate and up (F, D), down (D, F)."""
+        d, f = hp.n_embd, hp.n_ff
+        return [LayerTensor("ffn_norm", "ffn_norm.weight", (d,), NORM),
+                LayerTensor("gate", "ffn_gate.weight", (f, d)),
+                LayerTensor("up", "ffn_up.weight", (f, d)),
+                LayerTensor("down", "ffn_down.weight", (d, f))]
+
+    @staticmethod
+    def moe_tensors(hp: HParams) -> list[LayerTensor]:
+        """Pre-norm routed experts: the norm, the router (float32), gate/up/down of every expert."""
+        d, f, n = hp.n_embd, hp.n_ff_expert, hp.n_expert
+        return [LayerTensor("ffn_norm", "ffn_norm.weight", (d,), NORM),
+                LayerTensor("router", "ffn_gate_inp.weight", (n, d), DENSE),
+                LayerTensor("gate_exps", "ffn_gate_exps.weight", (n, f, d)),
+                LayerTensor("up_exps", "ffn_up_exps.weight", (n, f, d)),
+                LayerTensor("down_exps", "ffn_down_exps.weight", (n, d, f))]
+
+    # --- loading what was declared -----------------------------------------------------------
 
     def load_weight(self, gguf: GGUFFile, name: str, shape: tuple[int, ...]) -> Weight:
         return gguf.weight(name, shape, dense=self.exact)
 
-    def load_qkv(self, gguf: GGUFFile, i: int) -> dict[str, Any]:
-        """Q, K and V projections (fused in the file or not), optional biases, the output."""
-        hp = self.hp
-        prefix = f"blk.{i}"
-        q_rows, k_rows, v_rows = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.n_head_kv * hp.value_dim
-        if gguf.has_tensor(f"{prefix}.attn_qkv.weight"):
-            weights: dict[str, Any] = {
-                "wqkv": self.load_weight(gguf, f"{prefix}.attn_qkv.weight", (q_rows + k_rows + v_rows, hp.n_embd))}
-        else:
-            weights = {f"w{n}": self.load_weight(gguf, f"{prefix}.attn_{n}.weight", (rows, hp.n_embd))
-                       for n, rows in zip("qkv", (q_rows, k_rows, v_rows))}
-        biases = [gguf.tensor(f"{prefix}.attn_{n}.bias") if gguf.has_tensor(f"{prefix}.attn_{n}.bias")
-                  else None for n in "qkv"]
-        if any(b is not None for b in biases):
-            weights["bqkv"] = [b if b is not None else np.zeros(n, np.float32)
-                               for b, n in zip(biases, (q_rows, k_rows, v_rows))]
-        weights["wo"] = self.load_weight(gguf, f"{prefix}.attn_output.weight", (hp.n_embd, hp.n_head * hp.value_dim))
-        return weights
-
-    def load_swiglu(self, gguf: GGUFFile, i: int) -> dict[str, Weight]:
-        """Gate and up (F, D); down (D, F)."""
-        hp = self.hp
-        return {"gate": self.load_weight(gguf, f"blk.{i}.ffn_gate.weight", (hp.n_ff, hp.n_embd)),
-                "up": self.load_weight(gguf, f"blk.{i}.ffn_up.weight", (hp.n_ff, hp.n_embd)),
-                "down": self.load_weight(gguf, f"blk.{i}.ffn_down.weight", (hp.n_embd, hp.n_ff))}
-
-    def load_norm(self, gguf: GGUFFile, name: str, size: int | None = None) -> np.ndarray:
-        return gguf.tensor(name, (size or self.hp.n_embd,))
+    def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, Any]:
+        """Layer i's declared tensors by key (an absent optional one has no key); matrices stay
+        in the file's blocks (and experts in the file: a step reads only those it routes to)."""
+        layer: dict[str, Any] = {}
+        for t in self.layer_tensors(self.hp, i):
+            name = f"blk.{i}.{t.name}"
+            if t.optional and not gguf.has_tensor(name):
+                continue
+            layer[t.key] = self.load_weight(gguf, name, t.shape) if t.kind == MATRIX else gguf.tensor(name, t.shape)
+        return layer
 
     def fused_layer(self, layer: dict[str, Any]) -> FusedLayer | None:
         """The layer for the compiled block steps, or None where it cannot take them: exact
-        mode, a CPU without the kernels, a weight held as float32 (a type without a kernel), a
-        fused QKV tensor, or head sizes the compiled attention does not take."""
+        mode, a CPU without the kernels, a weight held as float32 (a type without a kernel), or
+        head sizes the compiled attention does not take. Its FFN takes them only with SiLU."""
         hp = self.hp
         if self.exact or not kernels.available() or hp.head_dim % 8 or hp.value_dim % 16:
             return None
@@ -208,17 +300,16 @@ class DecoderModel:
         if not held_in_place("wq", "wk", "wv", "wo") or "attn_norm" not in layer:
             return None
         none = np.zeros(0, dtype=np.float32)
-        biases = layer.get("bqkv") or (none, none, none)
 
         def kinds(*names: str) -> np.ndarray:
             return np.array([int(layer[n].qtype) for n in names], dtype=np.int64)
 
         attention = (layer["attn_norm"], np.float32(hp.rms_eps), layer["wq"].data, layer["wk"].data,
-                     layer["wv"].data, kinds("wq", "wk", "wv"), *biases,
+                     layer["wv"].data, kinds("wq", "wk", "wv"), *(layer.get(b, none) for b in ("bq", "bk", "bv")),
                      layer.get("q_norm", none), layer.get("k_norm", none))
         output = (layer["wo"].data, int(layer["wo"].qtype))
         swiglu = None
-        if held_in_place("gate", "up", "down") and "ffn_norm" in layer:
+        if self.activation == "silu" and held_in_place("gate", "up", "down") and "ffn_norm" in layer:
             swiglu = (layer["ffn_norm"], np.float32(hp.rms_eps), layer["gate"].data, layer["up"].data,
                       layer["down"].data, kinds("gate", "up", "down"), layer["gate"].shape[0])
         return FusedLayer(attention, output, swiglu)
@@ -231,80 +322,76 @@ class DecoderModel:
         hp = self.hp
         n = h.shape[0]
         inp = MatmulInput(h)  # quantized once for the three projections
-        biases = layer.get("bqkv") or (None, None, None)
-        if "wqkv" in layer:
-            qkv = ops.linear(inp, layer["wqkv"], np.concatenate(biases) if biases[0] is not None else None)
-            q_end = hp.n_head * hp.head_dim
-            k_end = q_end + hp.n_head_kv * hp.head_dim
-            q, k, v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
-        else:
-            q, k, v = (ops.linear(inp, layer[f"w{n}"], b) for n, b in zip("qkv", biases))
+        q, k, v = (ops.linear(inp, layer[f"w{n}"], layer.get(f"b{n}")) for n in "qkv")
         return (q.reshape(n, hp.n_head, hp.head_dim),
                 k.reshape(n, hp.n_head_kv, hp.head_dim),
                 v.reshape(n, hp.n_head_kv, hp.value_dim))
 
-    def self_attention(self, i: int, h: np.ndarray, fp: ForwardPass, q_norm: np.ndarray | None = None,
-                       k_norm: np.ndarray | None = None, window: int | None = None) -> np.ndarray:
-        """The attention half of a block on normed input h [T, D]: QKV, optional per-head Q/K
-        RMSNorm (before RoPE), attention over the caches, output projection. Returns [T, D]."""
+    def self_attention(self, i: int, h: np.ndarray, fp: ForwardPass) -> np.ndarray:
+        """The attention half of a block on normed input h [T, D]: QKV, per-head Q/K RMSNorm
+        where the layer has them (before RoPE), attention over the caches, output projection.
+        Returns [T, D]."""
         layer = self.layers[i]
         q, k, v = self.project_qkv(layer, h)
-        if q_norm is not None:
-            q = ops.rms_norm(q, q_norm, self.hp.rms_eps)
-        if k_norm is not None:
-            k = ops.rms_norm(k, k_norm, self.hp.rms_eps)
-        return ops.linear(self.attend(i, q, k, v, fp, window), layer["wo"])
+        if "q_norm" in layer:
+            q = ops.rms_norm(q, layer["q_norm"], self.hp.rms_eps)
+        if "k_norm" in layer:
+            k = ops.rms_norm(k, layer["k_norm"], self.hp.rms_eps)
+        return ops.linear(self.attend(i, q, k, v, fp), layer["wo"])
 
-    def attend(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, fp: ForwardPass,
-               window: int | None = None) -> np.ndarray:
+    def attend(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, fp: ForwardPass) -> np.ndarray:
         """RoPE on q/k, store k/v in each sequence's cache, attend; returns [T, H*dv]."""
-        q = ops.apply_rope(q, fp.cos, fp.sin, self.rope_adjacent)
-        k = ops.apply_rope(k, fp.cos, fp.sin, self.rope_adjacent)
+        cos, sin, adjacent = fp.rope[i]
+        options = self.attention_options[i]
+        q = ops.apply_rope(q, cos, sin, adjacent)
+        k = ops.apply_rope(k, cos, sin, adjacent)
         out = np.empty((q.shape[0], self.hp.n_head * self.hp.value_dim), dtype=np.float32)
         for cache, (start, end) in zip(fp.caches, fp.spans):
             keys, values = cache.write(i, k[start:end], v[start:end])
-            out[start:end] = ops.causal_attention(
-                q[start:end], keys, values, cache.length, self.attn_scale, window)
+            out[start:end] = ops.causal_attention(q[start:end], keys, values, cache.length, options.scale,
+                                                  options.window or None, options.softcap or None)
         return out
 
-    def attention_half(self, i: int, x: np.ndarray, fp: ForwardPass, window: int | None = None) -> np.ndarray:
-        """x + attention(RMSNorm(x)) for a pre-norm block (per-head Q/K norms where the layer
-        has them); compiled steps where the layer allows (x is then updated in place)."""
+    def attention_half(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
+        """x + attention(RMSNorm(x)) for a pre-norm block; compiled steps where the layer
+        allows (x is then updated in place)."""
         layer, spec = self.layers[i], self.fused[i]
         if spec is None:
-            return x + self.self_attention(i, ops.rms_norm(x, layer["attn_norm"], self.hp.rms_eps), fp,
-                                           layer.get("q_norm"), layer.get("k_norm"), window)
-        return fused.attention_output(x, self._fused_attention(i, x, fp, window), *spec.output)
+            return x + self.self_attention(i, ops.rms_norm(x, layer["attn_norm"], self.hp.rms_eps), fp)
+        return fused.attention_output(x, self._fused_attention(i, x, fp), *spec.output)
 
-    def swiglu_half(self, i: int, x: np.ndarray) -> np.ndarray:
-        """x + SwiGLU(RMSNorm(x)); compiled where the layer allows (x then updated in place)."""
+    def ffn_half(self, i: int, x: np.ndarray) -> np.ndarray:
+        """x + FFN(RMSNorm(x)) with the family's gate activation; compiled where the layer
+        allows (x then updated in place)."""
         layer, spec = self.layers[i], self.fused[i]
         if spec is None or spec.swiglu is None:
-            return x + ops.swiglu(ops.rms_norm(x, layer["ffn_norm"], self.hp.rms_eps),
-                                  layer["gate"], layer["up"], layer["down"])
+            return x + ops.gated_ffn(ops.rms_norm(x, layer["ffn_norm"], self.hp.rms_eps),
+                                     layer["gate"], layer["up"], layer["down"], self.activation)
         return fused.swiglu(x, *spec.swiglu)
 
-    def dense_block(self, i: int, x: np.ndarray, fp: ForwardPass, window: int | None = None) -> np.ndarray:
-        """The pre-norm block of llama and qwen3: attention, then SwiGLU, each with its residual."""
+    def dense_block(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
+        """The pre-norm block of llama and qwen3: attention, then the gated FFN, each with its
+        residual."""
         spec = self.fused[i]
         if spec is None or spec.swiglu is None:
-            return self.swiglu_half(i, self.attention_half(i, x, fp, window))
+            return self.ffn_half(i, self.attention_half(i, x, fp))
         if len(fp.caches) == 1:  # one sequence (a lone stream's step, a prefill chunk): one call
-            hp, cache = self.hp, fp.caches[0]
-            rope = (fp.cos, fp.sin, self.rope_adjacent, hp.n_head, hp.n_head_kv, hp.head_dim, hp.value_dim)
+            hp, cache, options = self.hp, fp.caches[0], self.attention_options[i]
+            rope = (*fp.rope[i], hp.n_head, hp.n_head_kv, hp.head_dim, hp.value_dim)
             return fused.dense_block(x, spec.attention, rope, *cache.kernel_arrays(i), cache.length,
-                                     np.float32(self.attn_scale), window or 0, np.float32(0.0), spec.output, spec.swiglu)
-        attn = self._fused_attention(i, x, fp, window)
+                                     np.float32(options.scale), options.window, np.float32(options.softcap),
+                                     spec.output, spec.swiglu)
+        attn = self._fused_attention(i, x, fp)
         return fused.attention_output_swiglu(x, attn, *spec.output, *spec.swiglu)
 
-    def _fused_attention(self, i: int, x: np.ndarray, fp: ForwardPass, window: int | None) -> np.ndarray:
-        hp = self.hp
-        q, k, v = fused.attention_inputs(x, *self.fused[i].attention, fp.cos, fp.sin, self.rope_adjacent,
+    def _fused_attention(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
+        hp, options = self.hp, self.attention_options[i]
+        q, k, v = fused.attention_inputs(x, *self.fused[i].attention, *fp.rope[i],
                                          hp.n_head, hp.n_head_kv, hp.head_dim, hp.value_dim)
         out = np.empty((x.shape[0], hp.n_head * hp.value_dim), dtype=np.float32)
         for cache, (start, end) in zip(fp.caches, fp.spans):
-            cache.store_and_attend(i, q[start:end], k[start:end], v[start:end], self.attn_scale, window,
-                                   out[start:end])
+            cache.store_and_attend(i, q[start:end], k[start:end], v[start:end], options.scale,
+                                   options.window, out[start:end], options.softcap)
         return out
 
     # --- the forward pass ------------------------------------------------------------------------
@@ -336,8 +423,9 @@ class DecoderModel:
             positions.append(np.arange(cache.length, cache.length + len(tokens)))
             token_ids.extend(tokens)
             row += len(tokens)
-        cos, sin = ops.rope_cos_sin(np.concatenate(positions), self.inv_freq)
-        fp = ForwardPass([c for c, _ in steps], spans, cos, sin)
+        positions = np.concatenate(positions)
+        tables = [(*ops.rope_cos_sin(positions, inv_freq), adjacent) for inv_freq, adjacent in self.rope_tables]
+        fp = ForwardPass([c for c, _ in steps], spans, [tables[t] for t in self.layer_rope])
         x = self.embed(np.asarray(token_ids, dtype=np.int64))
         for i in range(self.hp.n_layer):
             x = self.block(i, x, fp)

@@ -154,19 +154,39 @@ def _exp_in_place(scores: np.ndarray, softcap: float | None) -> np.ndarray:
 
 # --- feed-forward ----------------------------------------------------------------------------
 
-def swiglu(x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
-    """down(silu(gate x) * up x). [T, D] -> [T, D]"""
+def gated_ffn(x: np.ndarray, gate: Weight, up: Weight, down: Weight, activation: str = "silu") -> np.ndarray:
+    """down(act(gate x) * up x) with act SiLU or tanh-approximated GELU. [T, D] -> [T, D]"""
     h = MatmulInput(x)  # quantized once for both projections
     g = linear(h, gate)
     u = linear(h, up)
-    # silu(g) * u in place: numpy's exp is vectorized, a compiled loop's would call libm per value
+    t = silu(g) if activation == "silu" else gelu_tanh(g)
+    t *= u
+    return linear(t, down)
+
+
+def silu(g: np.ndarray) -> np.ndarray:
+    """g / (1 + e^-g) in a new array: numpy's exp is vectorized, a compiled loop's would call
+    libm per value."""
     t = np.negative(g)
     with np.errstate(over="ignore"):  # exp(-g) = inf for g << 0 gives silu = -0, as it should
         np.exp(t, out=t)
     t += 1.0
     np.divide(g, t, out=t)
-    t *= u
-    return linear(t, down)
+    return t
+
+
+def gelu_tanh(g: np.ndarray) -> np.ndarray:
+    """0.5 g (1 + tanh(√(2/π) (g + 0.044715 g³))) in a new array."""
+    t = g * g
+    t *= np.float32(0.044715)
+    t += 1.0
+    t *= g
+    t *= np.float32(np.sqrt(2.0 / np.pi))
+    np.tanh(t, out=t)
+    t += 1.0
+    t *= g
+    t *= np.float32(0.5)
+    return t
 
 
 def moe_route_softmax_topk(router_logits: np.ndarray, n_used: int,
@@ -194,6 +214,6 @@ def moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray,
     out = np.zeros_like(x)
     for expert in np.unique(experts):
         rows, slot = np.nonzero(experts == expert)
-        y = swiglu(x[rows], gate_exps.expert(expert), up_exps.expert(expert), down_exps.expert(expert))
+        y = gated_ffn(x[rows], gate_exps.expert(expert), up_exps.expert(expert), down_exps.expert(expert))
         np.add.at(out, rows, y * weights[rows, slot][:, None])
     return out

@@ -8,13 +8,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
-
 from shared.errors import ModelLoadError
 from worker.engine.gguf_file import GGUFFile
-from worker.engine.model import DecoderModel, ForwardPass, HParams
+from worker.engine.model import DecoderModel, HParams
 
 
 class LlamaModel(DecoderModel):
@@ -29,14 +25,3 @@ class LlamaModel(DecoderModel):
         if hp.n_expert:
             raise ModelLoadError(f"{gguf.path}: llama mixture-of-experts files are not supported")
         return hp
-
-    def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, Any]:
-        return {
-            "attn_norm": self.load_norm(gguf, f"blk.{i}.attn_norm.weight"),
-            **self.load_qkv(gguf, i),
-            "ffn_norm": self.load_norm(gguf, f"blk.{i}.ffn_norm.weight"),
-            **self.load_swiglu(gguf, i),
-        }
-
-    def block(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
-        return self.dense_block(i, x, fp)

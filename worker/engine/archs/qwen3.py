@@ -8,27 +8,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
-
-from worker.engine.gguf_file import GGUFFile
-from worker.engine.model import DecoderModel, ForwardPass
+from worker.engine.model import DecoderModel, HParams, LayerTensor
 
 
 class Qwen3Model(DecoderModel):
     architecture = "qwen3"
 
-    def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, Any]:
-        head_dim = self.hp.head_dim
-        return {
-            "attn_norm": self.load_norm(gguf, f"blk.{i}.attn_norm.weight"),
-            **self.load_qkv(gguf, i),
-            "q_norm": self.load_norm(gguf, f"blk.{i}.attn_q_norm.weight", head_dim),
-            "k_norm": self.load_norm(gguf, f"blk.{i}.attn_k_norm.weight", head_dim),
-            "ffn_norm": self.load_norm(gguf, f"blk.{i}.ffn_norm.weight"),
-            **self.load_swiglu(gguf, i),
-        }
-
-    def block(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
-        return self.dense_block(i, x, fp)  # with the layer's per-head Q/K RMSNorm, before RoPE
+    @classmethod
+    def layer_tensors(cls, hp: HParams, i: int) -> list[LayerTensor]:
+        return cls.attention_tensors(hp, qk_norm=True) + cls.ffn_tensors(hp)

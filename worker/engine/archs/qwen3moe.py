@@ -7,14 +7,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
 import numpy as np
 
 from shared.errors import ModelLoadError
 from worker.engine import ops
 from worker.engine.gguf_file import GGUFFile
-from worker.engine.model import DecoderModel, ForwardPass, HParams
+from worker.engine.model import DecoderModel, ForwardPass, HParams, LayerTensor
 
 
 class Qwen3MoeModel(DecoderModel):
@@ -25,29 +25,16 @@ class Qwen3MoeModel(DecoderModel):
         if not hp.n_expert or not hp.n_expert_used:
             raise ModelLoadError(f"{gguf.path}: qwen3moe needs expert_count and expert_used_count")
         if not hp.n_ff_expert:  # older files: per-expert width = n_ff / experts used
-            from dataclasses import replace
             hp = replace(hp, n_ff_expert=hp.n_ff // hp.n_expert_used)
         return hp
 
-    def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, Any]:
-        hp = self.hp
-        n_exp, n_ff, n_embd = hp.n_expert, hp.n_ff_expert, hp.n_embd
-        return {
-            "attn_norm": self.load_norm(gguf, f"blk.{i}.attn_norm.weight"),
-            **self.load_qkv(gguf, i),
-            "q_norm": self.load_norm(gguf, f"blk.{i}.attn_q_norm.weight", hp.head_dim),
-            "k_norm": self.load_norm(gguf, f"blk.{i}.attn_k_norm.weight", hp.head_dim),
-            "ffn_norm": self.load_norm(gguf, f"blk.{i}.ffn_norm.weight"),
-            "router": gguf.tensor(f"blk.{i}.ffn_gate_inp.weight", (n_exp, n_embd)),
-            # the experts stay in the file; a step reads only the blocks of those it routes to
-            "gate_exps": self.load_weight(gguf, f"blk.{i}.ffn_gate_exps.weight", (n_exp, n_ff, n_embd)),
-            "up_exps": self.load_weight(gguf, f"blk.{i}.ffn_up_exps.weight", (n_exp, n_ff, n_embd)),
-            "down_exps": self.load_weight(gguf, f"blk.{i}.ffn_down_exps.weight", (n_exp, n_embd, n_ff)),
-        }
+    @classmethod
+    def layer_tensors(cls, hp: HParams, i: int) -> list[LayerTensor]:
+        return cls.attention_tensors(hp, qk_norm=True) + cls.moe_tensors(hp)
 
     def block(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
         layer, eps = self.layers[i], self.hp.rms_eps
-        x = self.attention_half(i, x, fp)  # with per-head Q/K RMSNorm, before RoPE
+        x = self.attention_half(i, x, fp)
         h = ops.rms_norm(x, layer["ffn_norm"], eps)
         experts, weights = ops.moe_route_softmax_topk(h @ layer["router"].T, self.hp.n_expert_used, True)
         return x + ops.moe_swiglu(h, experts, weights, layer["gate_exps"], layer["up_exps"], layer["down_exps"])
