@@ -25,10 +25,11 @@ from gateway.access_log import AccessLogMiddleware
 from gateway.dialects import anthropic_messages, openai_chat, openai_responses
 from gateway.edge import EdgeMiddleware, EdgeSettings
 from gateway.errors import dialect_for_path, error_response
-from gateway.generation import Completion, generate
-from gateway.neutral import Event, Ping, Started
+from gateway.generation import Completion, generate, prepare
+from gateway.neutral import Event, NeutralRequest, Ping, Started
 from gateway.prompting import ModelView
 from gateway.request_fields import parse_json_object
+from gateway.tool_calls import ToolPlan
 from gateway.worker_client import WorkerClient
 from shared.errors import (
     InvalidRequestError,
@@ -92,11 +93,14 @@ class Gateway:
         return self._view
 
     async def run(self, request: Request, dialect: ModuleType) -> Response:
-        body = parse_json_object(await request.body())
+        raw = await request.body()
         view = self.view()
-        neutral = dialect.parse(body, view, request.headers)
+        # JSON, the dialect's parse, the template and the tokenizer take a large body seconds of
+        # CPU: in a thread, so this gateway's other streams, heartbeats and /health go on.
+        neutral, prepared = await asyncio.to_thread(_read_request, raw, dialect, view, request.headers)
         events = access_log.observe(request.scope, neutral.stream,
-                                    generate(view, self.client, neutral, self.settings.ping_interval, self.cut))
+                                    generate(view, self.client, neutral, prepared, self.settings.ping_interval,
+                                             self.cut))
         first = await _first_started(events)
         if neutral.stream:
             return sse.streaming_response(_stream_body(dialect, neutral, view, first, events))
@@ -109,6 +113,12 @@ class Gateway:
         if finish is None or finish.reason == "error":
             raise LmserveError(finish.error if finish and finish.error else "generation failed")
         return JSONResponse(dialect.render(neutral, view, completion))
+
+
+def _read_request(raw: bytes, dialect: ModuleType, view: ModelView, headers: Any
+                  ) -> tuple[NeutralRequest, tuple[ToolPlan, list[int]]]:
+    neutral = dialect.parse(parse_json_object(raw), view, headers)
+    return neutral, prepare(view, neutral)
 
 
 async def _first_started(events: AsyncIterator[Event]) -> Started:
@@ -218,9 +228,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        body = parse_json_object(await request.body())
+        raw = await request.body()
         view = gateway.view()
-        return JSONResponse({"input_tokens": anthropic_messages.count_tokens(body, view, request.headers)})
+        count = await asyncio.to_thread(
+            lambda: anthropic_messages.count_tokens(parse_json_object(raw), view, request.headers))
+        return JSONResponse({"input_tokens": count})
 
     @app.get("/v1/models")
     async def models() -> Response:

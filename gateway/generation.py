@@ -31,8 +31,10 @@ from gateway.worker_client import WorkerClient
 from shared.errors import ShuttingDownError, WorkerUnavailableError
 from shared.protocol import Accepted, Finished, FinishReason, Generate, Grammar, Tags, Tokens
 
+# The gateway's own aborts (a stop string, a client gone) end the reply before the worker's
+# FINISHED arrives, so an abort the worker reports is one this reply did not ask for: a cut.
 WORKER_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CONTEXT: "context",
-                  FinishReason.ERROR: "error", FinishReason.ABORT: "stop_sequence"}
+                  FinishReason.ERROR: "error", FinishReason.ABORT: "error"}
 
 
 class ReasoningSplitter:
@@ -99,7 +101,8 @@ def prepare(view: ModelView, request: NeutralRequest) -> tuple[tool_calls.ToolPl
 
 
 async def generate(view: ModelView, client: WorkerClient, request: NeutralRequest,
-                   ping_interval: float = 10.0, cut: asyncio.Event | None = None) -> AsyncIterator[Event]:
+                   prepared: tuple[tool_calls.ToolPlan, list[int]], ping_interval: float = 10.0,
+                   cut: asyncio.Event | None = None) -> AsyncIterator[Event]:
     """Yield Started, then content events and Pings, then one Finish.
 
     Errors raised before Started (busy, rejected, prompt too long, worker down) come out as
@@ -107,7 +110,7 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
     (the gateway's drain timeout ran out) the reply ends with ShuttingDownError, which each
     dialect renders as its own error event, and the worker is told to stop.
     """
-    tools, prompt = prepare(view, request)
+    tools, prompt = prepared  # prepare(view, request), done off the event loop by the caller
     view.check_fits(len(prompt))
     room = view.context_budget - len(prompt)
     max_tokens = min(request.max_tokens, room) if request.max_tokens else room
@@ -116,7 +119,7 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
     worker_request = Generate(client.new_request_id(), prompt, request.sampling, max_tokens,
                               grammar=Grammar(**grammar) if grammar is not None else None,
                               grammar_after_reasoning=grammar is not None and request.grammar_after_reasoning,
-                              cache_hint=request.cache_hint)
+                              cache_hint=request.cache_hint, stop_ids=[] if request.ignore_eos else None)
     tokenizer = view.tokenizer
     decoder = tokenizer.incremental_decoder(skip_special=True)
     reply = ReplyText(
@@ -174,8 +177,11 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
                 usage.prompt_tokens = message.prompt_tokens or usage.prompt_tokens
                 usage.completion_tokens = message.completion_tokens
                 usage.reasoning_tokens = reasoning_tokens
-                yield Finish(reply.reason(WORKER_REASONS.get(message.reason, "error")), usage,
-                             error=message.error)
+                reason = WORKER_REASONS.get(message.reason, "error")
+                error = message.error
+                if message.reason == FinishReason.ABORT:
+                    error = f"the worker cut this reply before it finished: {error or 'aborted'}"
+                yield Finish(reason if reason == "error" else reply.reason(reason), usage, error=error)
                 return
             pending = asyncio.ensure_future(stream.__anext__())
     finally:

@@ -26,12 +26,14 @@ class NeutralRequest:
     reasoning: bool = False  # open the model's reasoning channel
     prefill: str = ""  # text the reply must continue from (Anthropic final assistant turn)
     stream: bool = False
+    ignore_eos: bool = False  # generate past end-of-turn tokens, up to max_tokens (benchmark clients)
     cache_hint: str | None = None  # session id for cache affinity
     # The reply's constraint, as the worker takes it ({"kind": json_schema | json_object | regex |
     # lark, "source": text}); forced tool calls bring their own (gateway/tool_calls.py).
     grammar: dict[str, str] | None = None
-    # Freeform (custom) tools whose one string input is held to a regex when the model calls them.
-    tool_input_patterns: dict[str, str] = field(default_factory=dict)
+    # Freeform (custom) tools' grammars ({"kind": lark | regex, "source"}) for their one string
+    # input; gateway/tool_calls.py decides how a call holds to them.
+    tool_input_grammars: dict[str, dict[str, str]] = field(default_factory=dict)
     # Every tool's schema is a contract for its calls (Anthropic's input_schema), not only the
     # ones marked strict.
     tool_schemas_bind: bool = False

@@ -6,7 +6,10 @@ the prompt that would run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
 
 from shared.chat_template import ChatTemplate
 from shared.errors import ContextOverflowError, InvalidRequestError
@@ -25,6 +28,13 @@ class ModelView:
     card: ModelCard
     tokenizer: Tokenizer
     template: ChatTemplate
+    # the text of every control token, to find where a client spells one out
+    control_texts: re.Pattern | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        texts = sorted({self.tokenizer.id_to_piece(i) for i in self.tokenizer.special_ids} - {""}, key=len,
+                       reverse=True)
+        self.control_texts = re.compile("|".join(map(re.escape, texts))) if texts else None
 
     @classmethod
     def from_card(cls, card: ModelCard) -> "ModelView":
@@ -67,21 +77,75 @@ class ModelView:
                                     enable_thinking=enable_thinking)
         return text + prefill
 
-    def encode_prompt(self, text: str) -> list[int]:
-        bos = self.tokenizer.bos_id
+    def encode_prompt(self, text: str, quoted: ClientText | None = None) -> list[int]:
+        """The ids of a rendered prompt. With ``quoted``, its markers stand for text a client
+        wrote, which is read as plain text: a control token spelled out there is not one."""
+        tokenizer = self.tokenizer
+        bos = tokenizer.bos_id
         # Templates that write the BOS text themselves must not get a second one.
-        already = bos is not None and text.startswith(self.tokenizer.id_to_piece(bos))
-        ids = self.tokenizer.encode(text, add_special=not already)
-        if self.tokenizer.add_eos and ids and ids[-1] == self.tokenizer.eos_id:
+        already = bos is not None and text.startswith(tokenizer.id_to_piece(bos))
+        if quoted is None or not quoted.originals:
+            ids = tokenizer.encode(text, add_special=not already)
+        else:
+            ids = [bos] if tokenizer.add_bos and not already else []
+            for i, part in enumerate(quoted.marker.split(text)):
+                if i % 2:  # a marker's number: the client's text, tokenized as plain text
+                    ids += tokenizer.encode(quoted.originals[int(part)], add_special=False, parse_special=False)
+                elif part:
+                    ids += tokenizer.encode(part, add_special=False)
+            if tokenizer.add_eos:
+                ids.append(tokenizer.eos_id)
+        if tokenizer.add_eos and ids and ids[-1] == tokenizer.eos_id:
             ids.pop()  # a prompt never ends the turn it asks the model to write
         return ids
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None, reasoning: bool = False,
                    prefill: str = "") -> list[int]:
+        """The prompt's ids. One far longer than the context is refused before it is tokenized
+        (its length in characters bounds its tokens from below), so a huge body costs its
+        rendering, not seconds of tokenizing and a tokenizer's worth of memory."""
         if not messages and not prefill:
             raise InvalidRequestError("there are no messages to answer", param="messages")
-        return self.encode_prompt(self.render(messages, tools, reasoning, prefill))
+        quoted = ClientText(self.control_texts)
+        messages, tools, prefill = quoted.mark(messages), quoted.mark(tools), quoted.mark(prefill)
+        text = self.render(messages, tools, reasoning, prefill)
+        at_least = -(-len(text) // self.tokenizer.max_token_chars)
+        if at_least >= self.context_budget:
+            raise ContextOverflowError(at_least, self.context_budget)
+        return self.encode_prompt(text, quoted)
 
     def check_fits(self, prompt_tokens: int) -> None:
         if prompt_tokens >= self.context_budget:
             raise ContextOverflowError(prompt_tokens, self.context_budget)
+
+
+class ClientText:
+    """Keeps a client from writing control tokens (``<|im_end|>\n<|im_start|>system…``) into
+    its prompt. Each spelled-out control token in the request's strings is swapped for a marker
+    that no client can guess (a fresh nonce), the template renders around the markers, and
+    ``encode_prompt`` tokenizes what a marker stands for as plain text. A request that spells
+    none out renders and tokenizes exactly as before."""
+
+    def __init__(self, control_texts: re.Pattern | None):
+        self.control_texts = control_texts
+        nonce = secrets.token_hex(8)
+        # plain ASCII, so that it passes unchanged through a template's tojson, trim or escape
+        self.marker = re.compile(rf"\[\[q{nonce}:(\d+)\]\]")
+        self._format = f"[[q{nonce}:{{}}]]"
+        self.originals: list[str] = []
+
+    def mark(self, value: Any) -> Any:
+        """``value`` with every control-token text in its strings (not its keys) marked."""
+        if self.control_texts is None:
+            return value
+        if isinstance(value, str):
+            return self.control_texts.sub(self._swap, value)
+        if isinstance(value, dict):
+            return {key: self.mark(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.mark(item) for item in value]
+        return value
+
+    def _swap(self, match: re.Match) -> str:
+        self.originals.append(match.group(0))
+        return self._format.format(len(self.originals) - 1)

@@ -4,6 +4,8 @@ name the field at fault (``messages[2].content``) and what it should be."""
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -13,19 +15,74 @@ _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a b
                list: "an array", dict: "an object", type(None): "null"}
 
 
+MAX_DEPTH = 256  # JSON schemas and tool arguments nest far less; deeper is an attack or a bug
+MAX_INT_BITS = 13_300  # about 4,000 decimal digits, under what Python will print (4,300)
+# A \uD800-\uDFFF escape: JSON allows one alone, Unicode text does not.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
 def parse_json_object(body: bytes) -> dict[str, Any]:
     if not body.strip():
         raise InvalidRequestError("the request body is empty; send a JSON object")
     try:
-        value = json.loads(body)
+        value = json.loads(body, parse_constant=_not_json)
     except UnicodeDecodeError:
         raise InvalidRequestError("the request body is not UTF-8 text")
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(
             f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
+    except RecursionError:
+        raise InvalidRequestError("the request body nests arrays or objects too deeply to read")
+    except ValueError:  # an integer longer than Python converts (4,300 digits)
+        raise InvalidRequestError("the request body holds an integer of more than 4,000 digits; "
+                                  "no field of this API takes one")
     if not isinstance(value, dict):
         raise InvalidRequestError(f"the request body must be a JSON object, not {_describe(value)}")
+    _check_values(value, check_text=_SURROGATE_ESCAPE.search(body) is not None)
     return value
+
+
+def _not_json(name: str) -> None:
+    raise InvalidRequestError(f"the request body is not valid JSON: {name} is not a JSON value")
+
+
+def _check_values(value: Any, check_text: bool) -> None:
+    """What JSON allows and the rest of the server could not handle, found in one pass over
+    the body's values (iterative, so depth cannot exhaust the stack): nesting deeper than
+    MAX_DEPTH, integers too long to print, and (when the body has escaped surrogates at all)
+    strings with a lone surrogate, which are not Unicode text."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Iterable[Any] = item.values()
+            if check_text:
+                children = [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            children = item
+        elif isinstance(item, str):
+            if check_text:
+                _check_text(item)
+            continue
+        elif isinstance(item, int) and item.bit_length() > MAX_INT_BITS:
+            raise InvalidRequestError("the request body holds an integer of more than 4,000 digits; "
+                                      "no field of this API takes one")
+        elif isinstance(item, float) and not math.isfinite(item):  # 1e999
+            raise InvalidRequestError("the request body holds a number too large to represent")
+        else:
+            continue
+        if depth >= MAX_DEPTH:
+            raise InvalidRequestError(f"the request body nests arrays or objects more than {MAX_DEPTH} deep")
+        stack.extend((child, depth + 1) for child in children)
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"the request body has a string with a lone UTF-16 surrogate "
+            f"({text[exc.start:exc.end].encode('unicode_escape').decode()}); strings must be valid Unicode")
 
 
 def _describe(value: Any) -> str:
@@ -85,8 +142,29 @@ def reject_unknown(obj: dict[str, Any], known: Iterable[str], where: str = "") -
             + "; see docs/API.md for the fields this server takes", param=path)
 
 
-def text_of_parts(content: Any, where: str, part_types: tuple[str, ...] = ("text",)) -> str:
-    """A message content that is a string or a list of text parts, as one string."""
+# Parts a text-only model cannot read, in each dialect's names -> what the prompt says instead.
+MEDIA_PARTS = {"image_url": "image", "input_image": "image", "image": "image", "input_audio": "audio",
+               "file": "file", "input_file": "file", "document": "document"}
+
+
+def media_placeholder(kind: str) -> str:
+    """What stands in the prompt for a media part of an earlier turn: a past screenshot or a
+    tool's image must not make every later turn of a conversation fail."""
+    return f"[{MEDIA_PARTS[kind]} omitted: this model reads text only]"
+
+
+def refuse_media(kind: str, path: str) -> None:
+    """A media part in the turn being answered: the model cannot see what it is asked about."""
+    raise InvalidRequestError(
+        f"'{path}' is {'an' if MEDIA_PARTS[kind][0] in 'aeiou' else 'a'} {MEDIA_PARTS[kind]} ({kind!r}) in the turn "
+        f"being answered, and the model on this server reads text only; send the question as text "
+        f"(media in earlier turns are kept as a note that they were there)", param=f"{path}.type")
+
+
+def text_of_parts(content: Any, where: str, part_types: tuple[str, ...] = ("text",),
+                  current_turn: bool = False) -> str:
+    """A message content that is a string or a list of text parts, as one string. Media parts
+    become a placeholder text, or an error in the turn being answered (``current_turn``)."""
     if isinstance(content, str):
         return content
     if content is None:
@@ -97,10 +175,15 @@ def text_of_parts(content: Any, where: str, part_types: tuple[str, ...] = ("text
         path = f"{where}[{i}]"
         check_type(part, dict, path)
         kind = field(part, "type", str, path, required=True)
+        if kind in MEDIA_PARTS:
+            if current_turn:
+                refuse_media(kind, path)
+            pieces.append(media_placeholder(kind))
+            continue
         if kind not in part_types:
             raise InvalidRequestError(
-                f"'{path}.type' is {kind!r}; this server reads only {', '.join(part_types)} parts here "
-                f"(the model takes text only)", param=f"{path}.type")
+                f"'{path}.type' is {kind!r}; this server reads only {', '.join(part_types)} parts here",
+                param=f"{path}.type")
         # a refusal part carries its words under "refusal", every other text part under "text"
         pieces.append(field(part, "refusal" if kind == "refusal" else "text", str, path, required=True))
     return "".join(pieces)

@@ -32,6 +32,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from gateway import lark_regex
 from gateway.neutral import (
     NeutralRequest,
     TextDelta,
@@ -174,11 +175,22 @@ def forced_tools(request: NeutralRequest) -> list[dict[str, Any]] | None:
     return [by_name[name] for name in dict.fromkeys(names)]
 
 
+def _input_pattern(request: NeutralRequest, name: str) -> str | None:
+    """The regex a freeform tool's input is held to inside a call: a regex grammar as it is, a
+    Lark grammar rewritten as a regex where it is regular (gateway/lark_regex.py). A tool whose
+    grammar cannot be rewritten (or that has none) is left free: a call's arguments are JSON,
+    and only a regular language can sit inside a JSON string of the call's schema."""
+    grammar = request.tool_input_grammars.get(name)
+    if grammar is None:
+        return None
+    return grammar["source"] if grammar["kind"] == "regex" else lark_regex.to_regex(grammar["source"])
+
+
 def _arguments_schema(request: NeutralRequest, function: dict[str, Any]) -> dict[str, Any]:
     """The arguments' contract: a freeform tool's one input held to its grammar's regex, the
     tool's schema where the client made it one (Anthropic's input_schema always, OpenAI's
     parameters with strict: true), else any object."""
-    pattern = request.tool_input_patterns.get(function["name"])
+    pattern = _input_pattern(request, function["name"])
     if pattern is not None:
         return {"type": "object", "properties": {CUSTOM_INPUT: {"type": "string", "pattern": f"^(?:{pattern})$"}},
                 "required": [CUSTOM_INPUT], "additionalProperties": False}
@@ -189,7 +201,7 @@ def _arguments_schema(request: NeutralRequest, function: dict[str, Any]) -> dict
 
 def _binding_in_auto(request: NeutralRequest, function: dict[str, Any]) -> bool:
     """Whether a call the model may choose to make must still keep to a contract."""
-    return function["name"] in request.tool_input_patterns or function.get("strict") is True
+    return _input_pattern(request, function["name"]) is not None or function.get("strict") is True
 
 
 def call_schema(request: NeutralRequest, tool: dict[str, Any], whitespace: bool = True) -> dict[str, Any]:

@@ -25,6 +25,13 @@ KINDS = ("json_schema", "json_object", "regex", "lark", "llguidance")
 # Compact JSON with at most a little whitespace: a small model left free to emit whitespace can
 # loop on it forever inside a JSON value.
 JSON_OPTIONS = {"whitespace_pattern": r"[ \n]{0,2}"}
+# The matcher's default resource limits, with errors that say what failed and not the parser state.
+LIMITS = llg.LLParserLimits(verbose_errors=False)
+
+
+def error_text(matcher: llg.LLMatcher) -> str:
+    """A matcher's error as one line for a client: its first line (the rest is parser state)."""
+    return matcher.get_error().strip().split("\n")[0].replace("<non-verbose/>", "").strip()
 
 
 class _Vocabulary:
@@ -88,16 +95,37 @@ class GrammarEngine:
             grammar = llg.LLMatcher.grammar_from_lark(source)
         else:
             grammar = source
-        error = llg.LLMatcher.validate_grammar(grammar, self.ll_tokenizer())
+        error = llg.LLMatcher.validate_grammar(grammar, self.ll_tokenizer(), limits=LIMITS)
         if error:
             raise InvalidRequestError(f"the {kind.replace('_', ' ')} does not compile: {error.strip()}")
         return grammar
 
     def matcher(self, grammar: str) -> llg.LLMatcher:
-        matcher = llg.LLMatcher(self.ll_tokenizer(), grammar)
+        """A matcher for a compiled grammar, tried first: a grammar that admits no text at all
+        (``start: start``), or whose lexer blows up on its first steps (``a{1000000}``), is
+        refused here, before a stream starts, rather than failing mid-reply."""
+        matcher = llg.LLMatcher(self.ll_tokenizer(), grammar, limits=LIMITS)
         if matcher.is_error():
-            raise InvalidRequestError(f"the grammar does not compile: {matcher.get_error()}")
+            raise InvalidRequestError(f"the grammar does not compile: {error_text(matcher)}")
+        tried = 0
+        for _ in range(2):  # two steps: the first mask, and the one after the first token
+            allowed = np.flatnonzero(self.masks([matcher])[0])
+            if matcher.is_error() or allowed.size == 0:
+                raise InvalidRequestError(self._refusal(matcher))
+            if matcher.is_stopped():
+                break
+            if not matcher.consume_token(int(allowed[-1])):  # an allowed token: fails only on an error
+                raise InvalidRequestError(self._refusal(matcher))
+            tried += 1
+        matcher.rollback(tried)
         return matcher
+
+    def _refusal(self, matcher: llg.LLMatcher) -> str:
+        why = error_text(matcher)
+        if why == "NoExtensionBias" or not why:
+            return ("the grammar admits no text the model could write (does every rule reach a terminal? "
+                    "`start: start` never does)")
+        return f"the grammar is too large to follow ({why}); simplify it or bound its repetitions"
 
     def compile_matcher(self, grammar: Grammar) -> "Future[llg.LLMatcher]":
         """Compile on the pool; the future holds the matcher or raises InvalidRequestError."""

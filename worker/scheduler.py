@@ -36,7 +36,7 @@ from shared.sampling_params import SamplingParams
 from worker.engine import kernels
 from worker.engine import Engine
 from worker.engine.sampling import Sampler
-from worker.grammar import GrammarEngine
+from worker.grammar import GrammarEngine, error_text
 from worker.kv_slots import Slot, SlotPool
 from worker.kv_spill import KVSpiller
 from worker.scripted import ScriptedReplies
@@ -78,7 +78,7 @@ class Stream:
     next_token: int | None = None  # sampled, sent, not yet fed to the model
     cached: int = 0
     completion: int = 0
-    aborted: bool = False
+    aborted: str | None = None  # why the stream was aborted, once it is
     matcher: Any = None  # an llguidance matcher when the request carries a grammar
     grammar_active: bool = False  # False while a reasoning block must end first
 
@@ -167,7 +167,9 @@ class Scheduler:
             self.waiting.append(stream)
         self.wakeup.set()
 
-    def abort(self, gateway: bytes, request_id: str) -> None:
+    def abort(self, gateway: bytes, request_id: str, why: str = "its gateway asked") -> None:
+        """End a stream; its FINISHED (reason abort) carries ``why`` as its error text, so a
+        gateway that did not ask can say why its reply was cut."""
         with self.lock:
             stream = self.streams.get((gateway, request_id))
             if stream is None:
@@ -176,17 +178,17 @@ class Scheduler:
                 self.waiting.remove(stream)
                 del self.streams[stream.key]
                 self.send(gateway, Finished(request_id, FinishReason.ABORT,
-                                            len(stream.request.prompt), 0, 0))
+                                            len(stream.request.prompt), 0, 0, why))
                 return
-            stream.aborted = True
+            stream.aborted = why
         self.wakeup.set()
 
-    def abort_gateway(self, gateway: bytes) -> int:
+    def abort_gateway(self, gateway: bytes, why: str) -> int:
         """A gateway went silent: end everything it asked for. Returns how many streams."""
         with self.lock:
             keys = [k for k in self.streams if k[0] == gateway]
         for _, request_id in keys:
-            self.abort(gateway, request_id)
+            self.abort(gateway, request_id, why)
         return len(keys)
 
     def load(self) -> tuple[int, int]:
@@ -272,8 +274,8 @@ class Scheduler:
     def step(self) -> None:
         """One weight pass for every running stream: a token each for decoding streams, a prompt
         chunk for the others; then sample and send what it produced."""
-        for stream in [s for s in self.running if s.aborted]:
-            self._finish(stream, FinishReason.ABORT)
+        for stream in [s for s in self.running if s.aborted is not None]:
+            self._finish(stream, FinishReason.ABORT, stream.aborted)
         batch: list[tuple[Stream, list[int]]] = []
         prefill_budget = self.settings.prefill_chunk
         for stream in self.running:
@@ -361,7 +363,7 @@ class Scheduler:
         if stream not in self.running:
             return  # ended while its mask was computed
         if stream.matcher is not None and stream.grammar_active and stream.matcher.is_error():
-            self._finish(stream, FinishReason.ERROR, f"the grammar matcher failed: {stream.matcher.get_error()}")
+            self._finish(stream, FinishReason.ERROR, f"the grammar matcher failed: {error_text(stream.matcher)}")
             return
         try:
             token = stream.sampler.sample(logits, allowed)
@@ -375,7 +377,7 @@ class Scheduler:
                 # A token the grammar refuses is never shown: the stream ends before it.
                 if not stream.matcher.consume_token(token.token_id):
                     self._finish(stream, FinishReason.ERROR,
-                                 f"the grammar matcher failed: {stream.matcher.get_error() or 'token refused'}")
+                                 f"the grammar matcher failed: {error_text(stream.matcher) or 'token refused'}")
                     return
                 grammar_done = stream.matcher.is_stopped()  # nothing but end-of-turn may follow
             elif token.token_id == self.grammar.think_close:

@@ -211,7 +211,9 @@ class WorkerServer:
             if now - last_seen > self.settings.heartbeat_timeout:
                 del self.gateways[identity]
                 self.greeted.discard(identity)
-                ended = self.scheduler.abort_gateway(identity)
+                ended = self.scheduler.abort_gateway(
+                    identity, f"the worker heard nothing from this gateway for "
+                              f"{self.settings.heartbeat_timeout:g} s and ended its streams")
                 log.warning("gateway %s went silent; ended its %d request(s)", identity.hex(), ended)
                 continue
             self.router.send_multipart([identity, *beat])

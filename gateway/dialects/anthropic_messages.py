@@ -43,7 +43,7 @@ from gateway.neutral import (
     Usage,
 )
 from gateway.prompting import ModelView
-from gateway.request_fields import check_type, field, number_in, reject_unknown
+from gateway.request_fields import check_type, field, media_placeholder, number_in, refuse_media, reject_unknown
 from shared.errors import InvalidRequestError, LmserveError
 from shared.sampling_params import SamplingParams
 
@@ -187,7 +187,7 @@ def _conversation(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
     if system:
         turns.append({"role": "system", "content": system})
     for i, message in enumerate(raw):
-        turns.extend(_turns(message, i))
+        turns.extend(_turns(message, i, current=i == len(raw) - 1))
     merged = _merge(turns)
     prefill = ""
     if merged and merged[-1]["role"] == "assistant":
@@ -213,7 +213,7 @@ def _system_text(system: Any) -> str:
     return BLOCK_JOINER.join(texts)
 
 
-def _turns(message: Any, i: int) -> list[dict[str, Any]]:
+def _turns(message: Any, i: int, current: bool = False) -> list[dict[str, Any]]:
     """One Anthropic message as template messages: a user message with tool results becomes
     one ``tool`` message per result, then the user's own text (if any)."""
     where = f"messages[{i}]"
@@ -235,7 +235,9 @@ def _turns(message: Any, i: int) -> list[dict[str, Any]]:
         if kind == "text":
             texts.append(field(block, "text", str, path, required=True))
         elif kind in TEXT_ONLY_BLOCKS:
-            _refuse_media(kind, path)
+            if current and role == "user":  # the turn being answered asks about what it cannot see
+                refuse_media(kind, path)
+            texts.append(media_placeholder(kind))
         elif kind == "tool_use":
             _require_role(role, "assistant", kind, path)
             calls.append(_history_call(block, path))
@@ -280,11 +282,6 @@ def _require_role(role: str, wanted: str, kind: str, path: str) -> None:
                                   f"not a {role} message", param=f"{path}.type")
 
 
-def _refuse_media(kind: str, path: str) -> None:
-    raise InvalidRequestError(f"'{path}.type' is {kind!r}; the model on this server takes text only",
-                              param=f"{path}.type")
-
-
 def _history_call(block: dict[str, Any], path: str) -> dict[str, Any]:
     # Templates take arguments as a dict (they serialise them themselves).
     return {"id": field(block, "id", str, path, default=""), "type": "function",
@@ -305,8 +302,9 @@ def _result_text(content: Any, where: str) -> str:
         return content or ""
     texts = []
     for path, block, kind in _typed_blocks(content, where):
-        if kind in TEXT_ONLY_BLOCKS:
-            _refuse_media(kind, path)
+        if kind in TEXT_ONLY_BLOCKS:  # a tool's image (a screenshot it took): a note in its result
+            texts.append(media_placeholder(kind))
+            continue
         text = _readable_text(block)
         if text:
             texts.append(text)

@@ -51,6 +51,7 @@ HONORED = {
     "min_p", "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "logit_bias", "logprobs", "top_logprobs", "n", "stream", "stream_options", "reasoning_effort",
     "tools", "tool_choice", "parallel_tool_calls", "response_format", "prompt_cache_key", "grammar",
+    "ignore_eos",
 }
 IGNORED = {
     "user", "safety_identifier", "metadata", "store", "service_tier", "prompt_cache_retention",
@@ -82,7 +83,8 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
     if n != 1:
         raise InvalidRequestError(f"'n' must be 1: this server returns one choice per request, got {n}", param="n")
     grammar = one_constraint(("response_format", _response_format(body)), (GRAMMAR_FIELD, grammar_extension(body)))
-    messages = [_message(m, i) for i, m in enumerate(field(body, "messages", list, required=True))]
+    raw_messages = field(body, "messages", list, required=True)
+    messages = [_message(m, i, current=i == len(raw_messages) - 1) for i, m in enumerate(raw_messages)]
     stream = bool(field(body, "stream", bool, default=False))
     stream_options = field(body, "stream_options", dict, default={})
     top_logprobs = number_in(body, "top_logprobs", 0, 20, integer=True, default=0)
@@ -92,8 +94,9 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
     logit_bias = field(body, "logit_bias", dict, default={})
     bias: dict[int, float] = {}
     for key, value in logit_bias.items():
-        if not str(key).lstrip("-").isdigit():
-            raise InvalidRequestError(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias")
+        if not (key.isascii() and key.isdigit() and len(key) <= 9 and int(key) < view.tokenizer.vocab_size):
+            raise InvalidRequestError(f"'logit_bias' keys must be token ids of this model (0 to "
+                                      f"{view.tokenizer.vocab_size - 1}), got {key[:40]!r}", param="logit_bias")
         check_type(value, float, f"logit_bias.{key}")
         if not -100 <= value <= 100:
             raise InvalidRequestError(f"'logit_bias.{key}' must be between -100 and 100", param="logit_bias")
@@ -121,6 +124,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         parallel_tool_calls=bool(field(body, "parallel_tool_calls", bool, default=True)),
         reasoning=reasoning_from_effort(effort, view, "reasoning_effort", reject_unsupported=True),
         stream=stream,
+        ignore_eos=bool(field(body, "ignore_eos", bool, default=False)),
         cache_hint=field(body, "prompt_cache_key", str),
         grammar=grammar,
         echo=ChatEcho(bool(field(stream_options, "include_usage", bool, "stream_options", default=False))),
@@ -140,7 +144,8 @@ def _response_format(body: dict[str, Any]) -> dict[str, str] | None:
     return json_format_grammar(kind, schema, "response_format")
 
 
-def _message(message: Any, i: int) -> dict[str, Any]:
+def _message(message: Any, i: int, current: bool = False) -> dict[str, Any]:
+    """One message in the template's shape; ``current``: the last one, the turn being answered."""
     where = f"messages[{i}]"
     check_type(message, dict, where)
     reject_unknown(message, MESSAGE_FIELDS, where)
@@ -151,7 +156,8 @@ def _message(message: Any, i: int) -> dict[str, Any]:
         raise InvalidRequestError(
             f"'{where}.role' must be system, developer, user, assistant or tool, got {role!r}", param=f"{where}.role")
     parts = ("text", "refusal") if role == "assistant" else ("text",)
-    out: dict[str, Any] = {"role": role, "content": text_of_parts(message.get("content"), f"{where}.content", parts)}
+    out: dict[str, Any] = {"role": role, "content": text_of_parts(message.get("content"), f"{where}.content", parts,
+                                                                current_turn=current and role == "user")}
     if role == "assistant":
         calls = field(message, "tool_calls", list, where, default=[])
         if calls:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
 
-from gateway import lark_regex, sse
+from gateway import sse
 from gateway.dialects.common import (
     EFFORT_OFF,
     GRAMMAR_FIELD,
@@ -79,7 +79,7 @@ from shared.sampling_params import SamplingParams
 HONORED = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "top_logprobs",
     "reasoning", "text", "tools", "tool_choice", "parallel_tool_calls", "stream", "store", "include",
-    "prompt_cache_key", "metadata", "truncation", "background", "grammar",
+    "prompt_cache_key", "metadata", "truncation", "background", "grammar", "ignore_eos",
 }
 IGNORED = {
     "user", "safety_identifier", "client_metadata", "service_tier", "stream_options",
@@ -157,18 +157,10 @@ class _ToolSet:
                                       f"the request's tools", param="tool_choice.name")
         return _custom_grammar(tool)
 
-    def input_patterns(self) -> dict[str, str]:
-        """Flattened name -> the regex a freeform tool's input is held to inside a call the model
-        chooses to make: a regex grammar as it is, a Lark grammar rewritten as a regex where it is
-        regular (gateway/lark_regex.py); a tool whose grammar cannot be rewritten is left free."""
-        patterns = {}
-        for tool in self.custom:
-            grammar = _custom_grammar(tool)
-            pattern = None if grammar is None else (
-                grammar["source"] if grammar["kind"] == "regex" else lark_regex.to_regex(grammar["source"]))
-            if pattern is not None:
-                patterns[self.flat_name(tool["name"], tool.get("namespace"))] = pattern
-        return patterns
+    def input_grammars(self) -> dict[str, dict[str, str]]:
+        """Flattened name -> the grammar of a freeform tool's input, for those that have one."""
+        grammars = {self.flat_name(tool["name"], tool.get("namespace")): _custom_grammar(tool) for tool in self.custom}
+        return {name: grammar for name, grammar in grammars.items() if grammar is not None}
 
     def custom_names(self) -> list[str]:
         """Flattened names of the freeform tools, whose calls come back as custom_tool_call items."""
@@ -289,9 +281,10 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         parallel_tool_calls=parallel,
         reasoning=reasoning,
         stream=bool(field(body, "stream", bool, default=False)),
+        ignore_eos=bool(field(body, "ignore_eos", bool, default=False)),
         cache_hint=cache_key,
         grammar=grammar,
-        tool_input_patterns=tools.input_patterns(),
+        tool_input_grammars=tools.input_grammars(),
         echo=ResponsesEcho(echo, tools.namespaced(), tools.custom_names()),
     )
 
@@ -332,7 +325,8 @@ def _history(items: list[Any], tools: _ToolSet) -> list[dict[str, Any]]:
         kind = field(item, "type", str, where, default="message")
         if kind == "message":
             role = field(item, "role", str, where, required=True)
-            content = text_of_parts(item.get("content"), f"{where}.content", TEXT_PARTS)
+            content = text_of_parts(item.get("content"), f"{where}.content", TEXT_PARTS,
+                                    current_turn=i == len(items) - 1 and role == "user")
             if role == "assistant":
                 turn = None  # a second message item starts a new assistant message
                 assistant_turn()["content"] = content

@@ -219,9 +219,6 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
     ({"messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}],
       "max_tokens": 5}, "text only"),
-    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
-        {"type": "document", "source": {"type": "url", "url": "https://example.com/a.pdf"}}]}]}],
-      "max_tokens": 5}, "text only"),
     ({"messages": PARIS, "max_tokens": 5, "output_config": {"format": {"type": "json_object"}}},
      "must be json_schema"),
     ({"messages": PARIS, "max_tokens": 5, "output_format": {"type": "json_schema", "schema": {}},
