@@ -35,6 +35,9 @@ SCOPE_KEY = "lmserve.access"
 # Probes arrive every few seconds from a proxy or orchestrator; logged only at debug level
 # unless they fail, so they do not drown the requests.
 PROBE_PATHS = {"/health", "/", "/api/hello"}
+# The status logged for a request whose client went away before its reply ended (nginx's
+# "client closed request"); the client never saw a status, whatever the server had begun.
+CLIENT_GONE = 499
 
 log = logging.getLogger("lmserve.access")
 
@@ -117,14 +120,26 @@ class AccessLogMiddleware:
         record = AccessRecord(scope.get("method", ""), scope.get("path", ""), time.perf_counter())
         scope[SCOPE_KEY] = record
 
+        complete = False
+
         async def send_named(message: dict[str, Any]) -> None:
+            nonlocal complete
             if message["type"] == "http.response.start":
-                record.status = message["status"]
+                if record.status != CLIENT_GONE:
+                    record.status = message["status"]
                 message = {**message, "headers": [*message.get("headers", []), self.header]}
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
             await send(message)
 
+        async def receive_noted() -> dict[str, Any]:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not complete:
+                record.status = CLIENT_GONE  # whatever status was sent, the reply never arrived whole
+            return message
+
         try:
-            await self.app(scope, receive, send_named)
+            await self.app(scope, receive_noted, send_named)
         except Exception:
             if record.status is None:
                 record.status = 500

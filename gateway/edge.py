@@ -13,12 +13,14 @@ from gateway.hosts import LOOPBACK_NAMES, host_of, is_loopback
 from shared.errors import (
     AuthenticationError,
     BusyError,
+    InvalidRequestError,
     LmserveError,
     PayloadTooLargeError,
     PermissionDeniedError,
 )
 
 OPEN_PATHS = {"/health", "/", "/api/hello"}  # probes: no key needed
+SINGLE_HEADERS = {"host", "authorization", "x-api-key"}  # a guard reads them; twice is refused
 @dataclass
 class EdgeSettings:
     bind_host: str = "127.0.0.1"
@@ -47,10 +49,18 @@ class EdgeMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        headers: dict[str, str] = {}
+        repeated = set()
+        for key, value in scope.get("headers", []):
+            name = key.decode("latin-1").lower()
+            if name in headers and name in SINGLE_HEADERS:
+                repeated.add(name)
+            headers[name] = value.decode("latin-1")
         path = scope.get("path", "")
         dialect = dialect_for_path(path, headers)
         try:
+            if repeated:  # which one would count? Neither: a guard must not read only the last
+                raise InvalidRequestError(f"the request repeats the {', '.join(sorted(repeated))} header; send it once")
             self._check_host(headers)
             if path not in OPEN_PATHS:
                 self._check_key(headers)
@@ -75,7 +85,7 @@ class EdgeMiddleware:
         if self.allowed is None:
             return
         host = host_of(headers.get("host", ""))
-        if host not in self.allowed:
+        if host is None or host not in self.allowed:
             raise PermissionDeniedError(
                 f"Host header {headers.get('host', '')!r} is not allowed here (DNS-rebinding guard); "
                 f"use one of {', '.join(sorted(self.allowed))} or start the server with --allow-host")
@@ -83,13 +93,15 @@ class EdgeMiddleware:
     def _check_key(self, headers: dict[str, str]) -> None:
         if self.key is None:
             return
-        offered = headers.get("x-api-key", "")
+        offered = [headers.get("x-api-key", "")]
         authorization = headers.get("authorization", "")
         if authorization.lower().startswith("bearer "):
-            offered = offered or authorization[7:].strip()
+            offered.append(authorization[7:].strip())
+        offered = [key for key in offered if key]
         if not offered:
             raise AuthenticationError("an API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
-        if not hmac.compare_digest(offered.encode(), self.key):
+        # either header may carry it (SDKs send one, some clients both, one of them a placeholder)
+        if not any(hmac.compare_digest(key.encode(), self.key) for key in offered):
             raise AuthenticationError("the API key is not valid")
 
     def _capped(self, receive):

@@ -22,6 +22,7 @@ _OPENAI_TYPES = {
     403: ("permission_error", "forbidden"),
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "rate_limit_exceeded"),
     500: ("server_error", "server_error"),
@@ -32,7 +33,7 @@ _OPENAI_TYPES = {
 # status -> Anthropic error.type
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+    404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error", 413: "request_too_large",
     429: "rate_limit_error", 500: "api_error", 501: "invalid_request_error",
     503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error",
 }
@@ -68,7 +69,7 @@ def error_body(dialect: str, error: LmserveError, rid: str | None = None) -> dic
                 "request_id": rid or request_id()}
     if isinstance(error, ContextOverflowError):
         message = (f"This model's maximum context length is {error.budget} tokens. However, your "
-                   f"messages resulted in {error.prompt_tokens} tokens, which leaves no room for a "
+                   f"messages resulted in {'at least ' if error.at_least else ''}{error.prompt_tokens} tokens, which leaves no room for a "
                    f"completion. Please reduce the length of the messages.")
     kind, code = _OPENAI_TYPES.get(status, ("server_error", "server_error"))
     param = error.param

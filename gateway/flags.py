@@ -19,6 +19,8 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
                         "arms the Host guard on non-loopback binds")
     p.add_argument("--conns", type=int, default=32, help="max concurrent connections")
     p.add_argument("--max-body", type=int, default=32 * 1024 * 1024, help="max request body in bytes")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a request's headers may take to arrive once it starts; then 408 and close")
     p.add_argument("--max-buffered", type=int, default=4096,
                    help="replies a request may hold unread before its slow reader is cut off")
     p.add_argument("--ping-interval", type=float, default=10.0,

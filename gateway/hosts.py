@@ -7,6 +7,7 @@ framework.
 from __future__ import annotations
 
 import ipaddress
+import re
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 
@@ -20,9 +21,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def host_of(header: str) -> str:
-    """The host name of a Host header, without port or IPv6 brackets, lower case."""
-    header = header.strip().lower()
-    if header.startswith("["):
-        return header[1:header.find("]")] if "]" in header else header
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+# host [":" port], the host a name, an IPv4 address or a bracketed IPv6 address; nothing else
+_HOST_HEADER = re.compile(r"(?:\[(?P<ipv6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9._-]+))(?::[0-9]{1,5})?")
+
+
+def host_of(header: str) -> str | None:
+    """The host of a Host header, lower case, without port or IPv6 brackets (an IPv6 address
+    in its short form); None when the header is not one host and an optional port
+    (``127.0.0.1:80@evil.com``, ``[localhost]``, ``[::1]evil``)."""
+    match = _HOST_HEADER.fullmatch(header.strip().lower())
+    if match is None:
+        return None
+    if match["ipv6"] is None:
+        return match["name"]
+    try:
+        return str(ipaddress.IPv6Address(match["ipv6"]))
+    except ValueError:
+        return None

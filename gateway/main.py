@@ -12,7 +12,9 @@ import uvicorn
 from gateway.app import Gateway, GatewaySettings, create_app
 from gateway.edge import EdgeSettings
 from gateway.flags import build_parser
+from gateway.http_protocol import edge_protocol
 from shared import log_format
+from shared.memory import fix_mmap_threshold
 
 
 def settings_from(args) -> GatewaySettings:
@@ -54,9 +56,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.conns < 1 or args.max_body < 1:
-        parser.error("--conns and --max-body must be positive")
+    if args.conns < 1 or args.max_body < 1 or args.header_timeout <= 0:
+        parser.error("--conns, --max-body and --header-timeout must be positive")
     log_format.configure(args.log_format)
+    fix_mmap_threshold()
     app = create_app(settings_from(args))
     try:
         sock = bind_socket(args.host, args.port)
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # log_config=None: uvicorn's own records go through our handler (and --log-format) too
     config = uvicorn.Config(app, log_level="warning", log_config=None, timeout_keep_alive=30, lifespan="on",
-                            timeout_graceful_shutdown=args.drain_timeout)
+                            timeout_graceful_shutdown=args.drain_timeout, http=edge_protocol(args.header_timeout))
     server = DrainingServer(config, app.state.gateway)
     logging.getLogger("lmserve.gateway").info("gateway on http://%s:%d (worker %s)", args.host, args.port, args.worker)
     server.run(sockets=[sock])

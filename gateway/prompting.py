@@ -111,7 +111,7 @@ class ModelView:
         text = self.render(messages, tools, reasoning, prefill)
         at_least = -(-len(text) // self.tokenizer.max_token_chars)
         if at_least >= self.context_budget:
-            raise ContextOverflowError(at_least, self.context_budget)
+            raise ContextOverflowError(at_least, self.context_budget, at_least=True)
         return self.encode_prompt(text, quoted)
 
     def check_fits(self, prompt_tokens: int) -> None:

@@ -51,12 +51,20 @@ class ContextOverflowError(InvalidRequestError):
 
     kind = "context_overflow"
 
-    def __init__(self, prompt_tokens: int, budget: int):
+    def __init__(self, prompt_tokens: int, budget: int, at_least: bool = False):
         # Anthropic's wording, which Claude Code's recovery matches on; dialects may reword.
         super().__init__(f"prompt is too long: {prompt_tokens} tokens > {budget - 1} maximum",
                          param="messages", code="context_length_exceeded")
         self.prompt_tokens = prompt_tokens
         self.budget = budget
+        self.at_least = at_least  # prompt_tokens is a lower bound: the prompt was not tokenized
+
+
+class RequestTimeoutError(LmserveError):
+    """The client took too long to send its request's headers."""
+
+    status = 408
+    kind = "invalid_request_error"
 
 
 class AuthenticationError(LmserveError):

@@ -16,7 +16,7 @@ from worker.engine import kernels
 from worker.engine import Engine
 from worker.flags import build_parser, check_worker_flags
 from worker.kv_spill import KVSpiller
-from worker.memory import fix_mmap_threshold
+from shared.memory import fix_mmap_threshold
 from worker.scheduler import SchedulerSettings, resident_slot_count
 from worker.scripted import ScriptedReplies
 from worker.server import WorkerServer, WorkerSettings

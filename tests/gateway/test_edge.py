@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -99,6 +100,79 @@ def test_host_guard_on_a_loopback_bind(stack, start_gateway, stack_worker):
     widened = start_gateway(stack_worker, "--allow-host", "lmserve.internal")
     assert http.get(widened.url + "/v1/models", headers={"host": "lmserve.internal"}).status_code == 200
     assert http.get(widened.url + "/v1/models", headers={"host": "evil.example"}).status_code == 403
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:1@evil.com", "[localhost]", "[::1]evil", "localhost:80:80",
+                                  "127.0.0.1 evil.com", "[]", ":80"])
+def test_the_host_guard_reads_one_host_and_one_port_only(stack, host):
+    refused = http.get(stack.url + "/v1/models", headers={"host": host})
+    assert refused.status_code in (400, 403), host  # h11 itself refuses the most broken ones
+    assert refused.json()["error"]["type"] in ("permission_error", "invalid_request_error")
+
+
+def _raw(url: str, request: bytes, timeout: float = 10) -> bytes:
+    """Send bytes as they are and read the reply until the server closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(request)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+        return reply
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GET /v1/models HTTP/1.1\r\n\r\n",  # no Host
+    b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.com\r\n\r\n",  # two
+    b"GET /v1/models HTTP/1.1 extra\r\nHost: 127.0.0.1\r\n\r\n",  # a broken request line
+])
+def test_requests_that_are_not_http_get_a_json_400(stack, request_bytes):
+    reply = _raw(stack.url, request_bytes)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+    assert "not valid HTTP/1.1" in json.loads(body)["error"]["message"]
+
+
+def test_a_repeated_key_header_is_refused_whichever_comes_last(keyed):
+    body = {"model": "m", "messages": PARIS, "max_tokens": 2}
+    for pair in (["Bearer s3cret", "Bearer nope"], ["Bearer nope", "Bearer s3cret"]):
+        headers = httpx.Headers([("authorization", value) for value in pair])
+        refused = http.post(keyed.url + "/v1/chat/completions", json=body, headers=headers)
+        assert refused.status_code == 400 and "repeats the authorization header" in refused.json()["error"]["message"]
+    for pair in (["s3cret", "nope"], ["nope", "s3cret"]):
+        headers = httpx.Headers([("x-api-key", value) for value in pair] + [("anthropic-version", "2023-06-01")])
+        refused = http.post(keyed.url + "/v1/messages", json={**body, "max_tokens": 2}, headers=headers)
+        assert refused.status_code == 400 and refused.json()["type"] == "error"
+    # one of each, one of them a placeholder: the right key in either is enough
+    both = http.post(keyed.url + "/v1/chat/completions", json=body,
+                     headers={"x-api-key": "placeholder", "authorization": "Bearer s3cret"})
+    assert both.status_code == 200
+
+
+def test_headers_that_trickle_in_are_cut_off(start_gateway, stack_worker):
+    """A slowloris client sends a header line every 0.3 s forever: with --header-timeout 1 the
+    gateway answers 408 and closes; a normal request on the same gateway is untouched."""
+    gateway = start_gateway(stack_worker, "--header-timeout", "1")
+    host, port = gateway.url.removeprefix("http://").split(":")
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        reply = b""
+        try:
+            for i in range(60):  # 18 s of trickling, unless the server hangs up first
+                sock.sendall(b"X-Slow-%d: y\r\n" % i)
+                time.sleep(0.3)
+        except OSError:  # the server closed the connection
+            pass
+        sock.settimeout(5)
+        try:
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except OSError:
+            pass
+    assert time.monotonic() - started < 10
+    assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in reply
+    assert http.get(gateway.url + "/health").status_code == 200
 
 
 def test_body_cap_is_413_in_the_envelope(start_gateway, stack_worker):

@@ -13,7 +13,7 @@ import pytest
 SCRIPT = r"""
 import sys
 import numpy as np
-from worker.memory import fix_mmap_threshold
+from shared.memory import fix_mmap_threshold
 
 def resident_mib():
     with open("/proc/self/statm") as fh:

@@ -1,4 +1,4 @@
-"""How the worker's process asks the C allocator for memory.
+"""How a process of ours asks the C allocator for memory.
 
 glibc serves a request below its mmap threshold from the heap, and that threshold rises by
 itself (up to 32 MiB) each time a larger mapped block is freed. Large blocks that come and go
@@ -7,7 +7,8 @@ when KV caches were still allocated through it, serving a 2k and a 6.5k prompt c
 230 MiB more than its caches held. KV caches now map their own memory (``kv_cache.mapped_block``);
 fixing the threshold does the same for every other large block (spilled chunks on their way to
 the writer, a weight being dequantized), while the step-sized temporaries of a forward pass,
-all below it, are still reused from the heap.
+all below it, are still reused from the heap. A gateway fixes it too: a large request body,
+its parsed JSON and its rendered prompt are blocks of megabytes that come and go.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import ctypes
 import ctypes.util
 import logging
 
-log = logging.getLogger("lmserve.worker")
+log = logging.getLogger("lmserve.memory")
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 MMAP_THRESHOLD = 4 << 20  # above a prefill chunk's temporaries (256 rows x 1,536 floats: 1.5 MiB)
