@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway import access_log, sse
 from gateway.access_log import AccessLogMiddleware
-from gateway.dialects import anthropic_messages, openai_chat, openai_responses
+from gateway.dialects import anthropic_messages, openai_chat, openai_completions, openai_responses
 from gateway.edge import EdgeMiddleware, EdgeSettings
 from gateway.errors import dialect_for_path, error_response
 from gateway.generation import Completion, generate, prepare
@@ -213,6 +213,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await gateway.run(request, openai_chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gateway.run(request, openai_completions)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:

@@ -9,7 +9,7 @@ import hmac
 from dataclasses import dataclass, field
 
 from gateway.errors import dialect_for_path, error_response
-from gateway.hosts import LOOPBACK_NAMES, host_of, is_loopback
+from gateway.hosts import LOOPBACK_NAMES, canonical_host, host_of, is_loopback
 from shared.errors import (
     AuthenticationError,
     BusyError,
@@ -31,7 +31,7 @@ class EdgeSettings:
 
     def allowed_hosts(self) -> set[str] | None:
         """Host names accepted in the Host header, or None when the guard is off."""
-        extra = {h.lower().strip("[]") for h in self.allow_hosts}
+        extra = {canonical_host(h) for h in self.allow_hosts}
         if is_loopback(self.bind_host):
             return LOOPBACK_NAMES | extra
         return extra or None

@@ -12,7 +12,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from gateway.dialects import ANTHROPIC, CHAT, RESPONSES, dialect_of_path
+from gateway.dialects import ANTHROPIC, CHAT, COMPLETIONS, RESPONSES, dialect_of_path
 from shared.errors import ContextOverflowError, LmserveError
 
 # status -> (OpenAI type, OpenAI code)
@@ -68,13 +68,15 @@ def error_body(dialect: str, error: LmserveError, rid: str | None = None) -> dic
                 "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message},
                 "request_id": rid or request_id()}
     if isinstance(error, ContextOverflowError):
-        message = (f"This model's maximum context length is {error.budget} tokens. However, your "
-                   f"messages resulted in {'at least ' if error.at_least else ''}{error.prompt_tokens} tokens, which leaves no room for a "
-                   f"completion. Please reduce the length of the messages.")
+        what = "prompt" if dialect == COMPLETIONS else "messages"
+        message = (f"This model's maximum context length is {error.budget} tokens. However, your {what} "
+                   f"resulted in {'at least ' if error.at_least else ''}{error.prompt_tokens} tokens, which leaves "
+                   f"no room for a completion. Please reduce the length of the {what}.")
     kind, code = _OPENAI_TYPES.get(status, ("server_error", "server_error"))
     param = error.param
-    if isinstance(error, ContextOverflowError) and dialect == RESPONSES:
-        param = "input"  # Responses carries the conversation in "input", not "messages"
+    if isinstance(error, ContextOverflowError) and dialect in (RESPONSES, COMPLETIONS):
+        # Responses carries the conversation in "input", text completions in "prompt"
+        param = "input" if dialect == RESPONSES else "prompt"
     return {"error": {"message": message, "type": kind, "param": param, "code": error.code or code}}
 
 

@@ -96,6 +96,8 @@ def prepare(view: ModelView, request: NeutralRequest) -> tuple[tool_calls.ToolPl
     """How the request's tools are handled and the prompt ids that follow: what a generation
     runs, and what the token counting endpoints count."""
     tools = tool_calls.plan(view, request)
+    if request.prompt is not None:
+        return tools, view.text_prompt_ids(request.prompt)
     return tools, view.prompt_ids(tools.prompt_messages(request.messages), tools.declared, request.reasoning,
                                   request.prefill)
 
@@ -123,7 +125,9 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
     tokenizer = view.tokenizer
     decoder = tokenizer.incremental_decoder(skip_special=True)
     reply = ReplyText(
-        # When reasoning is on, a template may open the think block in the prompt already.
+        # A text completion is continued as it is; otherwise, when reasoning is on, a template
+        # may open the think block in the prompt already.
+        PlainText() if request.prompt is not None else
         ReasoningSplitter(view.reasoning_tags,
                           inside=request.prefill == "" and _prompt_opens_reasoning(view)
                           if view.has_reasoning_channel and request.reasoning else False),
@@ -203,11 +207,23 @@ def _prompt_opens_reasoning(view: ModelView) -> bool:
     return probe.rstrip().endswith(view.reasoning_tags.open)
 
 
+class PlainText:
+    """The splitter of a text completion: everything is content."""
+
+    inside = False
+
+    def push(self, text: str) -> list[TextDelta | ReasoningDelta]:
+        return [TextDelta(text)] if text else []
+
+    def flush(self) -> list[TextDelta | ReasoningDelta]:
+        return []
+
+
 class ReplyText:
     """The reply's text on its way to events: the reasoning split, then stop strings on what is
     not reasoning, then tool-call parsing on what the stop strings release."""
 
-    def __init__(self, splitter: ReasoningSplitter, stops: StopStringMatcher,
+    def __init__(self, splitter: ReasoningSplitter | PlainText, stops: StopStringMatcher,
                  parser: tool_calls.ToolCallParser | tool_calls.WholeReplyCall | None):
         self.splitter = splitter
         self.stops = stops

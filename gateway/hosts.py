@@ -38,3 +38,15 @@ def host_of(header: str) -> str | None:
         return str(ipaddress.IPv6Address(match["ipv6"]))
     except ValueError:
         return None
+
+
+def canonical_host(name: str) -> str:
+    """An --allow-host value as ``host_of`` reports a Host header: lower case, an IPv6 address
+    in its short form, brackets and port dropped."""
+    parsed = host_of(name)
+    if parsed is not None:
+        return parsed
+    try:
+        return str(ipaddress.ip_address(name.strip().strip("[]")))
+    except ValueError:
+        return name.strip().lower()

@@ -1,9 +1,10 @@
 """uvicorn's HTTP/1.1 protocol (h11) with two rules of the edge it lacks.
 
-- A request's headers must be complete within ``header_timeout`` seconds of its first byte.
-  uvicorn's keep-alive timer stops at the first byte, so a client trickling its headers a
-  byte at a time (slowloris) would otherwise hold a connection, and one of ``--conns``, for
-  as long as it likes. Such a connection gets a 408 and is closed.
+- A request's headers must be complete within ``header_timeout`` seconds of the connection
+  (or, on a kept-alive connection, of the request's first byte). uvicorn's keep-alive timer
+  stops at the first byte, so a client trickling its headers a byte at a time (slowloris)
+  would otherwise hold a connection for as long as it likes. Such a connection gets a 408 and
+  is closed.
 - A request that is not valid HTTP/1.1 (a missing or repeated Host header, a malformed
   request line) is answered in the JSON error envelope every other refusal uses, not in
   plain text. Its path is not known, so the envelope is the OpenAI one.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway.dialects import CHAT
@@ -27,10 +29,19 @@ def edge_protocol(header_timeout: float) -> type[H11Protocol]:
     class EdgeProtocol(H11Protocol):
         deadline: asyncio.TimerHandle | None = None
 
-        def data_received(self, data: bytes) -> None:
-            waiting = self.cycle is None or self.cycle.response_complete
-            if waiting and self.deadline is None:  # the first byte of a request: its clock starts
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self.start_clock()  # a connection that never sends a byte is cut too
+
+        def start_clock(self) -> None:
+            if self.deadline is None:
                 self.deadline = self.loop.call_later(header_timeout, self.headers_too_slow)
+
+        def data_received(self, data: bytes) -> None:
+            # between requests (not while a body arrives after an early answer): a new request
+            # begins, and its clock starts
+            if self.conn.their_state is h11.IDLE:
+                self.start_clock()
             before = self.cycle
             super().data_received(data)
             if self.cycle is not before:  # a request's headers were read: the clock stops

@@ -26,6 +26,9 @@ class NeutralRequest:
     reasoning: bool = False  # open the model's reasoning channel
     prefill: str = ""  # text the reply must continue from (Anthropic final assistant turn)
     stream: bool = False
+    # A text completion's prompt (text, or token ids) continued as it is: no template, no
+    # reasoning split, no tools; ``messages`` is then empty.
+    prompt: str | list[int] | None = None
     ignore_eos: bool = False  # generate past end-of-turn tokens, up to max_tokens (benchmark clients)
     cache_hint: str | None = None  # session id for cache affinity
     # The reply's constraint, as the worker takes it ({"kind": json_schema | json_object | regex |

@@ -16,25 +16,21 @@ from shared.errors import ContextOverflowError, InvalidRequestError
 from shared.protocol import ModelCard, Tags
 from shared.tokenizer import Tokenizer
 
-# A plain ChatML rendering for GGUFs that carry no template.
-FALLBACK_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+NO_TEMPLATE = ("this model has no chat template (it is a base model): send plain text to POST /v1/completions, "
+               "or start the worker with --chat-template FILE")
 
 
 @dataclass
 class ModelView:
     card: ModelCard
     tokenizer: Tokenizer
-    template: ChatTemplate
+    template: ChatTemplate | None  # None: a base model, served by text completions only
     # the text of every control token, to find where a client spells one out
     control_texts: re.Pattern | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        texts = sorted({self.tokenizer.id_to_piece(i) for i in self.tokenizer.special_ids} - {""}, key=len,
-                       reverse=True)
-        self.control_texts = re.compile("|".join(map(re.escape, texts))) if texts else None
+        texts = {self.tokenizer.id_to_piece(i) for i in self.tokenizer.special_ids} - {""}
+        self.control_texts = re.compile(trie_pattern(texts)) if texts else None
 
     @classmethod
     def from_card(cls, card: ModelCard) -> "ModelView":
@@ -43,8 +39,8 @@ class ModelView:
         def text(token_id: int | None) -> str:
             return tokenizer.id_to_piece(token_id) if token_id is not None else ""
 
-        template = ChatTemplate(card.chat_template or FALLBACK_TEMPLATE,
-                                bos_token=text(tokenizer.bos_id), eos_token=text(tokenizer.eos_id))
+        template = (ChatTemplate(card.chat_template, bos_token=text(tokenizer.bos_id), eos_token=text(tokenizer.eos_id))
+                    if card.chat_template else None)
         return cls(card, tokenizer, template)
 
     @property
@@ -72,6 +68,8 @@ class ModelView:
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, reasoning: bool = False,
                prefill: str = "") -> str:
+        if self.template is None:
+            raise InvalidRequestError(NO_TEMPLATE, param="messages")
         enable_thinking = reasoning if self.has_reasoning_channel else None
         text = self.template.render(messages, tools=tools or None, add_generation_prompt=True,
                                     enable_thinking=enable_thinking)
@@ -89,10 +87,14 @@ class ModelView:
         else:
             ids = [bos] if tokenizer.add_bos and not already else []
             for i, part in enumerate(quoted.marker.split(text)):
+                # a piece continues the one before unless it starts the text or follows a control
+                # token (where a SentencePiece vocabulary's leading-space rule applies again)
+                continuation = bool(ids) and ids[-1] not in tokenizer.special_ids
                 if i % 2:  # a marker's number: the client's text, tokenized as plain text
-                    ids += tokenizer.encode(quoted.originals[int(part)], add_special=False, parse_special=False)
+                    ids += tokenizer.encode(quoted.originals[int(part)], add_special=False, parse_special=False,
+                                            continuation=continuation)
                 elif part:
-                    ids += tokenizer.encode(part, add_special=False)
+                    ids += tokenizer.encode(part, add_special=False, continuation=continuation)
             if tokenizer.add_eos:
                 ids.append(tokenizer.eos_id)
         if tokenizer.add_eos and ids and ids[-1] == tokenizer.eos_id:
@@ -106,6 +108,12 @@ class ModelView:
         rendering, not seconds of tokenizing and a tokenizer's worth of memory."""
         if not messages and not prefill:
             raise InvalidRequestError("there are no messages to answer", param="messages")
+        if self.template is None:
+            raise InvalidRequestError(NO_TEMPLATE, param="messages")
+        # the client's text alone already too long: refused before it is scanned or rendered
+        at_least = -(-text_length((messages, tools, prefill)) // self.tokenizer.max_token_chars)
+        if at_least >= self.context_budget:
+            raise ContextOverflowError(at_least, self.context_budget, at_least=True)
         quoted = ClientText(self.control_texts)
         messages, tools, prefill = quoted.mark(messages), quoted.mark(tools), quoted.mark(prefill)
         text = self.render(messages, tools, reasoning, prefill)
@@ -113,6 +121,26 @@ class ModelView:
         if at_least >= self.context_budget:
             raise ContextOverflowError(at_least, self.context_budget, at_least=True)
         return self.encode_prompt(text, quoted)
+
+    def text_prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A text completion's prompt as it is: token ids checked against the vocabulary, or
+        text tokenized with the vocabulary's BOS (no template, control tokens live: the whole
+        prompt is the client's to write)."""
+        if isinstance(prompt, list):
+            vocab = self.tokenizer.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(f"'prompt' holds {bad}, which is not a token id of this model "
+                                          f"(0 to {vocab - 1})", param="prompt")
+            ids = list(prompt)
+        else:
+            at_least = -(-len(prompt) // self.tokenizer.max_token_chars)
+            if at_least >= self.context_budget:
+                raise ContextOverflowError(at_least, self.context_budget, at_least=True)
+            ids = self.encode_prompt(prompt)
+        if not ids:
+            raise InvalidRequestError("'prompt' is empty: there is nothing to continue", param="prompt")
+        return ids
 
     def check_fits(self, prompt_tokens: int) -> None:
         if prompt_tokens >= self.context_budget:
@@ -135,13 +163,14 @@ class ClientText:
         self.originals: list[str] = []
 
     def mark(self, value: Any) -> Any:
-        """``value`` with every control-token text in its strings (not its keys) marked."""
+        """``value`` with every control-token text in its strings marked, keys included (a
+        template prints tool schemas and call arguments whole, with tojson)."""
         if self.control_texts is None:
             return value
         if isinstance(value, str):
             return self.control_texts.sub(self._swap, value)
         if isinstance(value, dict):
-            return {key: self.mark(item) for key, item in value.items()}
+            return {self.mark(key): self.mark(item) for key, item in value.items()}
         if isinstance(value, (list, tuple)):
             return [self.mark(item) for item in value]
         return value
@@ -149,3 +178,36 @@ class ClientText:
     def _swap(self, match: re.Match) -> str:
         self.originals.append(match.group(0))
         return self._format.format(len(self.originals) - 1)
+
+
+def text_length(value: Any) -> int:
+    """Characters in every string of a value, keys included."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_length(key) + text_length(item) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(text_length(item) for item in value)
+    return 0
+
+
+def trie_pattern(texts: set[str]) -> str:
+    """One regex for a set of literals, nested by shared prefixes (longest match first), so that
+    a scan tests each position against a branch per first character, not against every text:
+    a vocabulary such as Gemma's has thousands of control tokens."""
+    trie: dict = {}
+    for text in texts:
+        node = trie
+        for char in text:
+            node = node.setdefault(char, {})
+        node[""] = {}
+
+    def pattern(node: dict) -> str:
+        branches = [re.escape(char) + pattern(child) for char, child in sorted(node.items()) if char]
+        if "" in node:
+            branches.append("")  # a text ends here; longer ones were tried first
+        if len(branches) == 1:
+            return branches[0]
+        return "(?:" + "|".join(branches) + ")"
+
+    return pattern(trie)

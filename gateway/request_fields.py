@@ -18,16 +18,19 @@ _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a b
 MAX_DEPTH = 256  # JSON schemas and tool arguments nest far less; deeper is an attack or a bug
 MAX_INT_BITS = 13_300  # about 4,000 decimal digits, under what Python will print (4,300)
 # A \uD800-\uDFFF escape: JSON allows one alone, Unicode text does not.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
     if not body.strip():
         raise InvalidRequestError("the request body is empty; send a JSON object")
     try:
-        value = json.loads(body, parse_constant=_not_json)
+        # strict UTF-8 first: json.loads would take UTF-16 or UTF-32 bytes, and raw surrogates
+        text = body.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError:
         raise InvalidRequestError("the request body is not UTF-8 text")
+    try:
+        value = json.loads(text, parse_constant=_not_json)
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(
             f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
@@ -38,7 +41,7 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
                                   "no field of this API takes one")
     if not isinstance(value, dict):
         raise InvalidRequestError(f"the request body must be a JSON object, not {_describe(value)}")
-    _check_values(value, check_text=_SURROGATE_ESCAPE.search(body) is not None)
+    _check_values(value, check_text=_SURROGATE_ESCAPE.search(text) is not None)
     return value
 
 
@@ -159,6 +162,12 @@ def refuse_media(kind: str, path: str) -> None:
         f"'{path}' is {'an' if MEDIA_PARTS[kind][0] in 'aeiou' else 'a'} {MEDIA_PARTS[kind]} ({kind!r}) in the turn "
         f"being answered, and the model on this server reads text only; send the question as text "
         f"(media in earlier turns are kept as a note that they were there)", param=f"{path}.type")
+
+
+def last_user_index(messages: list[Any]) -> int:
+    """The index of the last message (or input item) a user wrote: the turn being answered,
+    whatever follows it (an assistant prefill, tool calls and their results). -1 if none."""
+    return max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), default=-1)
 
 
 def text_of_parts(content: Any, where: str, part_types: tuple[str, ...] = ("text",),

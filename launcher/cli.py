@@ -4,6 +4,7 @@
     lmserve worker [MODEL]     the engine process alone, serving gateways over ZeroMQ
     lmserve gateway            the HTTP edge alone (--worker tcp://...)
     lmserve generate [MODEL]   complete one prompt in this process and print the speeds
+    lmserve models             the models MODEL may name (fetched on first use); else a GGUF path
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ COMMANDS = {
     "worker": "worker.main",
     "gateway": "gateway.main",
     "generate": "worker.generate",
+    "models": "launcher.models",
 }
 
 

@@ -279,10 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     check_worker_flags(parser, args)
     if args.gateways < 1:
         parser.error("--gateways must be at least 1")
-    if args.conns < 1 or args.max_body < 1:
-        parser.error("--conns and --max-body must be positive")
-    from shared.default_model import default_model_path
-    args.model = args.model or str(default_model_path())
+    if args.conns < 1 or args.max_body < 1 or args.header_timeout <= 0:
+        parser.error("--conns, --max-body and --header-timeout must be positive")
+    from shared.default_model import resolve_model
+    args.model = resolve_model(args.model)
     args.worker = args.worker or _free_tcp_endpoint()
     if not args.kv_store and not args.kv_cache_dir:
         from shared.default_model import cache_dir

@@ -1,7 +1,10 @@
 """Regenerate the reference-logit fixtures for the numpy engine's parity tests.
 
-How to regenerate (from the repo root, in a venv with llama-cpp-python, gguf and tokenizers;
-the last because tests/qwen_vocab.py builds the Qwen vocabulary through shared.tokenizer):
+How to regenerate (from the repo root, in a venv with llama-cpp-python, gguf, tokenizers and
+numba; the last two because tests/qwen_vocab.py builds the Qwen vocabulary through
+shared.tokenizer and tests/tiny_models.py reads the architectures' declarations). The bindings
+may also come from the llama-cpp-python sdist tree with a llama.cpp built apart from it:
+``PYTHONPATH=SDIST LLAMA_CPP_LIB_PATH=BUILD/bin LD_LIBRARY_PATH=BUILD/bin``.
 
     /work/peer-venv/bin/python scripts/regen_logit_fixtures.py            # every fixture
     /work/peer-venv/bin/python scripts/regen_logit_fixtures.py llama_tiny # just some
@@ -14,6 +17,8 @@ What it writes, one ``tests/fixtures/logits_<name>.npz`` per model:
 * ``llama_tiny``, ``qwen3_tiny``, ``qwen3moe_tiny``: the tiny random-weight GGUFs of
   ``tests/tiny_models.py`` (rewritten here from their fixed seeds, so models and fixtures stay
   in step), fed 40 fixed token ids.
+* ``gemma3_270m``: Gemma 3 270M on ~200 tokens of plain text, on an F32 copy as for smollm2,
+  with the Q4_K_M file's own greedy continuation of a short prompt.
 * ``smollm2``: SmolLM2-135M-Instruct on a ChatML prompt, evaluated on an F32 copy of the Q4_1
   file (every tensor dequantized with ``gguf.quants.dequantize``), because llama.cpp rounds
   activations to 8 bits when it multiplies by Q4_1 weights; the F32 copy is what an exact
@@ -36,6 +41,7 @@ import argparse
 import hashlib
 import io
 import json
+import os
 import sys
 import tempfile
 import zipfile
@@ -53,7 +59,7 @@ import gguf  # noqa: E402
 import llama_cpp  # noqa: E402
 import tiny_models  # noqa: E402
 
-from shared.default_model import cache_dir, default_model_path  # noqa: E402
+from shared.default_model import cache_dir, default_model_path, model_path  # noqa: E402
 
 FIXTURE_DIR = REPO_ROOT / "tests" / "fixtures"
 TOP_K = 20
@@ -68,8 +74,22 @@ SMOLLM2_PROMPT = (
     "<|im_start|>assistant\n"
 )
 
+# Gemma 3 270M is a base model: plain text, about 200 tokens of it, and a greedy continuation.
+GEMMA3_PROMPT = "The Eiffel Tower is located in the city of"
+GEMMA3_TEXT = (
+    "The Eiffel Tower is located in the city of Paris. Built for the world's fair of 1889, it was "
+    "meant to stand for twenty years and was nearly taken down, until its height proved useful for "
+    "radio. Today it is painted every seven years, by hand, with about sixty tonnes of paint.\n\n"
+    "A river runs through the middle of the city, and more than thirty bridges cross it. The oldest "
+    "of them, despite its name, is the Pont Neuf. Markets line the banks in the morning; by evening "
+    "the quays fill with people who read, talk, eat and watch the boats go by.\n\n"
+    "def area(radius: float) -> float:\n    return 3.14159 * radius ** 2\n\n"
+    "In 2024 the city hosted the Summer Olympic Games, and swimmers raced in the river for the first "
+    "time in a century."
+)
+
 TINY_MODELS = {f"{arch}_tiny": arch for arch in tiny_models.ARCHS}  # every registered architecture
-ALL_NAMES = [*TINY_MODELS, "smollm2"]
+ALL_NAMES = [*TINY_MODELS, "smollm2", "gemma3_270m"]
 
 # One context, one batch holding every token, f32 everywhere llama.cpp would otherwise round
 # (the KV cache defaults to f16), no flash attention (its tiled softmax sums in another order).
@@ -98,7 +118,7 @@ def sha256_of(path: Path) -> str:
 def llama_cpp_version() -> str:
     # The bindings expose no llama.cpp commit; the bundled ggml's soname version and the CPU
     # feature line (which shows whether the AMX int8 path was built) pin the build instead.
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    lib_dir = Path(os.environ.get("LLAMA_CPP_LIB_PATH") or Path(llama_cpp.__file__).parent / "lib")
     ggml = sorted(p.name.removeprefix("libggml-base.so.") for p in lib_dir.glob("libggml-base.so.*.*"))
     system_info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
     return (f"llama-cpp-python {llama_cpp.__version__} (bundled llama.cpp, ggml "
@@ -230,6 +250,17 @@ def write_f32_copy(source: Path, target: Path) -> None:
     writer.close()
 
 
+def f32_copy_meta(kind: str, source: Path, f32_path: Path) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "source_file": source.name,
+        "source_sha256": sha256_of(source),
+        "evaluated_file": "every tensor of the source dequantized with gguf.quants.dequantize, "
+                          "stored F32, metadata unchanged except general.file_type",
+        "sha256": sha256_of(f32_path),
+    }
+
+
 def greedy_continuation(llm: llama_cpp.Llama, prompt: list[int], steps: int) -> list[int]:
     llm.reset()
     llm.eval(prompt)
@@ -269,18 +300,41 @@ def smollm2_fixture(scratch: Path) -> None:
         q_llm.close()
 
     meta = base_meta("smollm2")
-    meta["model"] = {
-        "kind": "f32 copy of the default model",
-        "source_file": source.name,
-        "source_sha256": sha256_of(source),
-        "evaluated_file": "every tensor of the source dequantized with gguf.quants.dequantize, "
-                          "stored F32, metadata unchanged except general.file_type",
-        "sha256": sha256_of(f32_path),
-    }
+    meta["model"] = f32_copy_meta("f32 copy of the default model", source, f32_path)
     meta["tokens"] = {"kind": "llama.cpp tokenize(special=True, add_bos=False)",
                       "prompt": SMOLLM2_PROMPT}
     meta["greedy_text"] = greedy_text
     save_fixture("smollm2", tokens, logits, meta, {"greedy_ids": np.asarray(greedy, np.int32)})
+
+
+def gemma3_fixture(scratch: Path) -> None:
+    """Gemma 3 270M (real weights) on ~200 tokens of text, evaluated on an F32 copy of the
+    Q4_K_M file for the same reason as smollm2; plus the greedy continuation of GEMMA3_PROMPT
+    by the Q4_K_M file itself, which the served (quantized) path is held to."""
+    print("gemma3_270m:")
+    source = model_path("gemma-3-270m")
+    f32_path = scratch / "gemma-3-270m.F32.gguf"
+    write_f32_copy(source, f32_path)
+    llm = open_llama(f32_path)
+    try:
+        tokens = llm.tokenize(GEMMA3_TEXT.encode(), add_bos=True, special=False)
+        logits = reference_logits(llm, tokens)
+    finally:
+        llm.close()
+    q_llm = open_llama(source)
+    try:
+        prompt = q_llm.tokenize(GEMMA3_PROMPT.encode(), add_bos=True, special=False)
+        greedy = greedy_continuation(q_llm, prompt, GREEDY_STEPS)
+        greedy_text = q_llm.detokenize(greedy).decode(errors="replace")
+    finally:
+        q_llm.close()
+    print(f"  Q4_K_M greedy: {greedy} {greedy_text!r}")
+    meta = base_meta("gemma3_270m")
+    meta["model"] = f32_copy_meta("f32 copy of gemma-3-270m (lmserve's known model)", source, f32_path)
+    meta["tokens"] = {"kind": "llama.cpp tokenize(special=False, add_bos=True)", "text": GEMMA3_TEXT}
+    meta["greedy"] = {"file": source.name, "prompt": GEMMA3_PROMPT, "text": greedy_text}
+    save_fixture("gemma3_270m", tokens, logits, meta,
+                 {"greedy_prompt_ids": np.asarray(prompt, np.int32), "greedy_ids": np.asarray(greedy, np.int32)})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             if name in TINY_MODELS:
                 tiny_fixture(name, TINY_MODELS[name], Path(scratch))
+            elif name == "gemma3_270m":
+                gemma3_fixture(Path(scratch))
             else:
                 smollm2_fixture(Path(scratch))
     return 0

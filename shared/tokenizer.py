@@ -26,11 +26,12 @@ from __future__ import annotations
 import codecs
 import logging
 import threading
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tokenizers import AddedToken, Regex, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from shared.errors import TokenizerError
@@ -162,12 +163,13 @@ class VocabularyModel:
         return False
 
     @classmethod
-    def piece_bytes(cls, piece: str) -> bytes:
+    def piece_bytes(cls, piece: str, token_type: int) -> bytes:
         raise NotImplementedError
 
     @classmethod
-    def encoder(cls, spec: dict[str, Any], vocab: dict[str, int]) -> _HFTokenizer:
-        """The encoder over the ordinary tokens; added tokens are registered by the caller."""
+    def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
+        """The encoder over the ordinary tokens; added tokens are registered by the caller.
+        ``space_prefix`` False: a text that continues another (no leading-space rule)."""
         raise NotImplementedError
 
 
@@ -199,7 +201,7 @@ class ByteLevelBPE(VocabularyModel):
         return PRE_KINDS[PRE_NAMES[spec["pre"]]].add_bos_default
 
     @classmethod
-    def piece_bytes(cls, piece: str) -> bytes:
+    def piece_bytes(cls, piece: str, token_type: int) -> bytes:
         try:
             return piece.translate(_CHAR_TO_LATIN1).encode("latin-1")
         except UnicodeEncodeError:
@@ -207,7 +209,7 @@ class ByteLevelBPE(VocabularyModel):
             return piece.encode("utf-8")
 
     @classmethod
-    def encoder(cls, spec: dict[str, Any], vocab: dict[str, int]) -> _HFTokenizer:
+    def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
         kind = PRE_KINDS[PRE_NAMES[spec["pre"]]]
         merges = []
         for line in spec["merges"]:
@@ -228,8 +230,69 @@ class ByteLevelBPE(VocabularyModel):
         return backend
 
 
+class SentencePieceBPE(VocabularyModel):
+    """SentencePiece's BPE vocabularies (Llama 2, Gemma): pieces spell a space as ▁, each piece
+    has a score, and ``<0xAB>`` tokens stand for the bytes no piece covers.
+
+    SentencePiece merges, again and again, the adjacent pair whose union is the best-scored
+    piece. That is BPE whose merges are every split of every piece into two pieces, ranked by
+    the score of their union (ties by the union's id), which is how the encoder is built here;
+    unknown characters fall back to byte tokens. Only ordinary pieces are merge results, so no
+    text a client writes can merge into a control token. A space is prepended to the text
+    where ``tokenizer.ggml.add_space_prefix`` says so (its default is yes)."""
+
+    name = "llama"
+
+    @classmethod
+    def read(cls, meta: dict[str, Any]) -> dict[str, Any]:
+        scores = _get(meta, "tokenizer.ggml.scores", list)
+        prefix = meta.get("tokenizer.ggml.add_space_prefix")
+        # float32 bytes: a quarter of a megabyte per 65k tokens on the wire, not nine bytes each
+        return {"scores": array("f", scores).tobytes(), "add_space_prefix": True if prefix is None else bool(prefix)}
+
+    @classmethod
+    def check(cls, spec: dict[str, Any]) -> None:
+        scores = spec.get("scores")
+        if not isinstance(scores, bytes) or len(scores) != 4 * len(spec["tokens"]):
+            raise TokenizerError("tokenizer spec lacks one score per token")
+
+    @classmethod
+    def add_bos_default(cls, spec: dict[str, Any]) -> bool:
+        return True
+
+    @classmethod
+    def piece_bytes(cls, piece: str, token_type: int) -> bytes:
+        if token_type == TOKEN_BYTE and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    @classmethod
+    def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
+        tokens, types = spec["tokens"], spec["token_types"]
+        scores = array("f")
+        scores.frombytes(spec["scores"])
+        ordinary = {piece for piece, t in zip(tokens, types) if t == TOKEN_NORMAL}
+        ranked = []
+        for index, piece in enumerate(tokens):
+            if types[index] != TOKEN_NORMAL or len(piece) < 2:
+                continue
+            for cut in range(1, len(piece)):
+                left, right = piece[:cut], piece[cut:]
+                if left in ordinary and right in ordinary:
+                    ranked.append((-scores[index], index, cut, left, right))
+        ranked.sort()
+        backend = _HFTokenizer(models.BPE(vocab=vocab, merges=[(left, right) for *_, left, right in ranked],
+                                          byte_fallback=True, fuse_unk=False))
+        steps = [normalizers.Replace(" ", "\u2581")]
+        if spec["add_space_prefix"] and space_prefix:
+            steps.insert(0, normalizers.Prepend(" "))
+        backend.normalizer = normalizers.Sequence(steps)
+        return backend
+
+
 # tokenizer.ggml.model -> the kind that builds it
-VOCABULARY_MODELS: dict[str, type[VocabularyModel]] = {model.name: model for model in (ByteLevelBPE,)}
+VOCABULARY_MODELS: dict[str, type[VocabularyModel]] = {
+    model.name: model for model in (ByteLevelBPE, SentencePieceBPE)}
 
 
 class Tokenizer:
@@ -265,13 +328,14 @@ class Tokenizer:
         # Added tokens are raw text; everything else is a byte-level string.
         self._bytes: list[bytes] = [
             piece.encode("utf-8") if index in self._special_ids or index in self._user_defined_ids
-            else self._model.piece_bytes(piece)
+            else self._model.piece_bytes(piece, self._types[index])
             for index, piece in enumerate(self._tokens)
         ]
         self._with_special = self._build_backend(match_special=True)
-        self._plain: _HFTokenizer | None = None  # built on first parse_special=False call
+        # (match_special, space_prefix) -> encoder, the others built on first use
+        self._backends: dict[tuple[bool, bool], _HFTokenizer] = {(True, True): self._with_special}
         self._max_token_chars: int | None = None
-        self._plain_lock = threading.Lock()
+        self._backends_lock = threading.Lock()
 
     # --- construction ---------------------------------------------------------------------
 
@@ -349,8 +413,8 @@ class Tokenizer:
         """Everything needed to rebuild this tokenizer, as msgpack-serialisable plain values."""
         return dict(self._spec)
 
-    def _build_backend(self, match_special: bool) -> _HFTokenizer:
-        backend = self._model.encoder(self._spec, self._piece_to_id)
+    def _build_backend(self, match_special: bool, space_prefix: bool = True) -> _HFTokenizer:
+        backend = self._model.encoder(self._spec, self._piece_to_id, space_prefix)
         backend.add_special_tokens(
             [AddedToken(self._tokens[i], special=True, normalized=False) for i in sorted(self._special_ids)]
         )
@@ -362,22 +426,28 @@ class Tokenizer:
         backend.encode_special_tokens = not match_special
         return backend
 
-    def _plain_backend(self) -> _HFTokenizer:
-        with self._plain_lock:
-            if self._plain is None:
-                self._plain = self._build_backend(match_special=False)
-            return self._plain
+    def _backend(self, match_special: bool, space_prefix: bool) -> _HFTokenizer:
+        if not self._spec.get("add_space_prefix"):
+            space_prefix = True  # no such rule: one encoder serves both
+        key = (match_special, space_prefix)
+        with self._backends_lock:
+            if key not in self._backends:
+                self._backends[key] = self._build_backend(match_special, space_prefix)
+            return self._backends[key]
 
     # --- encode / decode ------------------------------------------------------------------
 
-    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True,
+               continuation: bool = False) -> list[int]:
         """Token ids for ``text``.
 
         add_special: add BOS/EOS as the vocabulary's add_bos/add_eos flags say.
         parse_special: control-token text such as ``<|im_start|>`` becomes its id; when off it
         is tokenized as ordinary text (use this for user-supplied content).
+        continuation: ``text`` follows other text of the same prompt directly (not a start and
+        not a control token), so a SentencePiece vocabulary's leading space is not added.
         """
-        backend = self._with_special if parse_special else self._plain_backend()
+        backend = self._backend(parse_special, not continuation)
         ids = backend.encode(text, add_special_tokens=False).ids if text else []
         if add_special and self._add_bos:
             ids.insert(0, self._bos_id)

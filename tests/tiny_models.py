@@ -9,6 +9,8 @@ family needs only its hyperparameters below.
 * ``llama``: GQA (4 query heads, 2 KV heads, head_dim 16), untied ``output.weight``.
 * ``qwen3``: head_dim 32 while n_embd / n_head is 16 (as in real Qwen3), per-head Q/K RMSNorm,
   rope base 1e6, tied output (no ``output.weight``).
+* ``gemma3``: six layers, the first five sliding over 4 positions with base 10000, the last
+  global with base 1e6; per-head Q/K norms, norms after attention and FFN, GELU-tanh, tied.
 * ``qwen3moe``: as qwen3 but every FFN is a mixture of 8 experts, 2 routed per token, expert
   width 32; untied output.
 
@@ -79,6 +81,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "vocab": "qwen",
     },
 }
+# As qwen3 (head_dim 32, per-head Q/K norms, base 1e6, tied), over six layers: the first five
+# slide over 4 positions (within the fixtures' 40 tokens, so the window shows), the last is global.
+_DEFAULTS["gemma3"] = {**_DEFAULTS["qwen3"], "n_layer": 6, "vocab": "smollm2", "sliding_window": 4}
 
 _COMMON_OVERRIDES = {"tensor_type", "name"}
 
@@ -199,7 +204,6 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
     vocab = vocab_metadata(hp["vocab"])
     n_vocab = len(vocab["tokenizer.ggml.tokens"])
     n_embd, n_head, n_head_kv, head_dim = hp["n_embd"], hp["n_head"], hp["n_head_kv"], hp["head_dim"]
-    n_q, n_kv = n_head * head_dim, n_head_kv * head_dim
     is_moe = bool(hp.get("n_expert"))
     name = overrides.get("name", f"tiny-{arch}-seed{seed}")
 
@@ -217,6 +221,8 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
     writer.add_rope_freq_base(float(hp["rope_base"]))
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(float(hp["rms_eps"]))
+    if hp.get("sliding_window"):
+        writer.add_sliding_window(hp["sliding_window"])
     if is_moe:
         writer.add_expert_count(hp["n_expert"])
         writer.add_expert_used_count(hp["n_expert_used"])

@@ -18,6 +18,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_worker_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's own (or for a base model "
+                        "that has none, whose chat requests are otherwise refused)")
     p.add_argument("--ctx", type=int, default=0,
                    help="per-request context budget in tokens, prompt and completion together "
                         "(0: the model's trained context, reduced if --kv-slots full caches would "

@@ -33,8 +33,8 @@ def build_parser() -> EnvParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from shared.default_model import default_model_path
-    engine = Engine.load(args.model or default_model_path())
+    from shared.default_model import resolve_model
+    engine = Engine.load(resolve_model(args.model))
     tokenizer = engine.tokenizer
     template = chat_template_from_metadata(engine.metadata)
     if args.raw or template is None:

@@ -7,16 +7,17 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from kvstore.store import open_store
 from shared import log_format
+from shared.chat_template import ChatTemplate
 from shared.errors import LmserveError
 from shared.load_progress import ProgressBar, StatusWriter
-from worker.engine import kernels
-from worker.engine import Engine
+from shared.memory import fix_mmap_threshold
+from worker.engine import Engine, kernels
 from worker.flags import build_parser, check_worker_flags
 from worker.kv_spill import KVSpiller
-from shared.memory import fix_mmap_threshold
 from worker.scheduler import SchedulerSettings, resident_slot_count
 from worker.scripted import ScriptedReplies
 from worker.server import WorkerServer, WorkerSettings
@@ -67,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     status = StatusWriter(args.status_fd) if args.status_fd is not None else None
     fix_mmap_threshold()
     try:
-        from shared.default_model import default_model_path
-        path = args.model or str(default_model_path())
+        from shared.default_model import resolve_model
+        path = resolve_model(args.model)
         threads = kernels.set_threads(args.threads or None)
         started = time.perf_counter()
         # Under lmserve serve the parent draws the bar; alone on a terminal, we do.
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if spiller is not None:
             log.info("kvstore: %s, %d-token chunks", spiller.store.describe(), spiller.chunk_tokens)
         server = WorkerServer(engine, WorkerSettings(
-            spiller=spiller,
+            spiller=spiller, chat_template=_read_template(args.chat_template),
             endpoint=args.worker, heartbeat_timeout=args.heartbeat_timeout,
             scheduler=SchedulerSettings(ctx=ctx, queue=args.queue, batch=args.batch,
                                         kv_slots=kv_slots,
@@ -112,6 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _read_template(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LmserveError(f"cannot read the chat template {path}: {exc}") from exc
+    ChatTemplate(source)  # a template that does not compile fails here, not on the first request
+    return source
 
 
 if __name__ == "__main__":

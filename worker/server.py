@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from shared.chat_template import chat_template_from_metadata
+from shared.chat_template import ChatTemplate, chat_template_from_metadata
 from shared.protocol import (
     DEFAULT_ENDPOINT,
     HEARTBEAT_INTERVAL,
@@ -56,6 +56,7 @@ class WorkerSettings:
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     heartbeat_timeout: float = HEARTBEAT_TIMEOUT
     spiller: KVSpiller | None = None
+    chat_template: str | None = None  # --chat-template: replaces the file's own (or supplies one)
 
     def __post_init__(self) -> None:
         if self.scheduler is None:
@@ -88,7 +89,8 @@ class WorkerServer:
 
     def _model_card(self) -> ModelCard:
         engine, sched = self.engine, self.settings.scheduler
-        template = chat_template_from_metadata(engine.metadata)
+        template = (ChatTemplate(self.settings.chat_template) if self.settings.chat_template
+                    else chat_template_from_metadata(engine.metadata))
         return ModelCard(
             version=PROTOCOL_VERSION, model_id=engine.model_id, architecture=engine.architecture,
             context_budget=sched.ctx, n_vocab=engine.model.hp.n_vocab,

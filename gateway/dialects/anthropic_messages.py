@@ -43,7 +43,15 @@ from gateway.neutral import (
     Usage,
 )
 from gateway.prompting import ModelView
-from gateway.request_fields import check_type, field, media_placeholder, number_in, refuse_media, reject_unknown
+from gateway.request_fields import (
+    check_type,
+    field,
+    last_user_index,
+    media_placeholder,
+    number_in,
+    refuse_media,
+    reject_unknown,
+)
 from shared.errors import InvalidRequestError, LmserveError
 from shared.sampling_params import SamplingParams
 
@@ -186,8 +194,9 @@ def _conversation(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
     system = _system_text(body.get("system"))
     if system:
         turns.append({"role": "system", "content": system})
+    asking = last_user_index(raw)
     for i, message in enumerate(raw):
-        turns.extend(_turns(message, i, current=i == len(raw) - 1))
+        turns.extend(_turns(message, i, current=i == asking))
     merged = _merge(turns)
     prefill = ""
     if merged and merged[-1]["role"] == "assistant":
@@ -235,7 +244,7 @@ def _turns(message: Any, i: int, current: bool = False) -> list[dict[str, Any]]:
         if kind == "text":
             texts.append(field(block, "text", str, path, required=True))
         elif kind in TEXT_ONLY_BLOCKS:
-            if current and role == "user":  # the turn being answered asks about what it cannot see
+            if current:  # the turn being answered asks about what it cannot see
                 refuse_media(kind, path)
             texts.append(media_placeholder(kind))
         elif kind == "tool_use":

@@ -9,8 +9,9 @@ from typing import Any
 
 from gateway.neutral import TokenLogprob
 from gateway.prompting import ModelView
-from gateway.request_fields import check_type, field
+from gateway.request_fields import check_type, field, number_in
 from shared.errors import InvalidRequestError
+from shared.sampling_params import SamplingParams
 
 EFFORT_OFF = ("none", "minimal")
 EFFORT_ON = ("low", "medium", "high", "xhigh", "max", "default")
@@ -38,6 +39,35 @@ def reasoning_from_effort(effort: str | None, view: ModelView, param: str, rejec
             f"the model {view.model_id} has no reasoning channel, so '{param}' {effort!r} cannot be "
             f"honoured; send 'none' or leave it out", param=param)
     return False
+
+
+def openai_sampling(body: dict[str, Any], view: ModelView, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    """The sampling fields OpenAI's Chat Completions and text completions share (and the
+    extensions both take: top_k, min_p, repetition_penalty)."""
+    return SamplingParams(
+        temperature=number_in(body, "temperature", 0, 2, default=1.0),
+        top_p=number_in(body, "top_p", 0, 1, default=1.0) or 1e-9,
+        top_k=number_in(body, "top_k", 0, 1 << 20, integer=True, default=0),
+        min_p=number_in(body, "min_p", 0, 1, default=0.0),
+        seed=field(body, "seed", int),
+        presence_penalty=number_in(body, "presence_penalty", -2, 2, default=0.0),
+        frequency_penalty=number_in(body, "frequency_penalty", -2, 2, default=0.0),
+        repetition_penalty=number_in(body, "repetition_penalty", 0.01, 10, default=1.0),
+        logit_bias=logit_bias_field(body, view), logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+def logit_bias_field(body: dict[str, Any], view: ModelView) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token id (as a string) -> a bias from -100 to 100."""
+    bias: dict[int, float] = {}
+    for key, value in field(body, "logit_bias", dict, default={}).items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 9 and int(key) < view.tokenizer.vocab_size):
+            raise InvalidRequestError(f"'logit_bias' keys must be token ids of this model (0 to "
+                                      f"{view.tokenizer.vocab_size - 1}), got {key[:40]!r}", param="logit_bias")
+        check_type(value, float, f"logit_bias.{key}")
+        if not -100 <= value <= 100:
+            raise InvalidRequestError(f"'logit_bias.{key}' must be between -100 and 100", param="logit_bias")
+        bias[int(key)] = float(value)
+    return bias
 
 
 def stop_list(value: Any, param: str, limit: int = 16) -> list[str]:

@@ -17,6 +17,7 @@ from gateway.dialects.common import (
     max_tokens_field,
     new_id,
     one_constraint,
+    openai_sampling,
     reasoning_from_effort,
     stop_list,
 )
@@ -39,12 +40,12 @@ from gateway.prompting import ModelView
 from gateway.request_fields import (
     check_type,
     field,
+    last_user_index,
     number_in,
     reject_unknown,
     text_of_parts,
 )
 from shared.errors import InvalidRequestError, LmserveError
-from shared.sampling_params import SamplingParams
 
 HONORED = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
@@ -84,33 +85,15 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         raise InvalidRequestError(f"'n' must be 1: this server returns one choice per request, got {n}", param="n")
     grammar = one_constraint(("response_format", _response_format(body)), (GRAMMAR_FIELD, grammar_extension(body)))
     raw_messages = field(body, "messages", list, required=True)
-    messages = [_message(m, i, current=i == len(raw_messages) - 1) for i, m in enumerate(raw_messages)]
+    asking = last_user_index(raw_messages)
+    messages = [_message(m, i, current=i == asking) for i, m in enumerate(raw_messages)]
     stream = bool(field(body, "stream", bool, default=False))
     stream_options = field(body, "stream_options", dict, default={})
     top_logprobs = number_in(body, "top_logprobs", 0, 20, integer=True, default=0)
     logprobs = bool(field(body, "logprobs", bool, default=False))
     if top_logprobs and not logprobs:
         raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    logit_bias = field(body, "logit_bias", dict, default={})
-    bias: dict[int, float] = {}
-    for key, value in logit_bias.items():
-        if not (key.isascii() and key.isdigit() and len(key) <= 9 and int(key) < view.tokenizer.vocab_size):
-            raise InvalidRequestError(f"'logit_bias' keys must be token ids of this model (0 to "
-                                      f"{view.tokenizer.vocab_size - 1}), got {key[:40]!r}", param="logit_bias")
-        check_type(value, float, f"logit_bias.{key}")
-        if not -100 <= value <= 100:
-            raise InvalidRequestError(f"'logit_bias.{key}' must be between -100 and 100", param="logit_bias")
-        bias[int(key)] = float(value)
-    sampling = SamplingParams(
-        temperature=number_in(body, "temperature", 0, 2, default=1.0),
-        top_p=number_in(body, "top_p", 0, 1, default=1.0) or 1e-9,
-        top_k=number_in(body, "top_k", 0, 1 << 20, integer=True, default=0),
-        min_p=number_in(body, "min_p", 0, 1, default=0.0),
-        seed=field(body, "seed", int),
-        presence_penalty=number_in(body, "presence_penalty", -2, 2, default=0.0),
-        frequency_penalty=number_in(body, "frequency_penalty", -2, 2, default=0.0),
-        repetition_penalty=number_in(body, "repetition_penalty", 0.01, 10, default=1.0),
-        logit_bias=bias, logprobs=logprobs, top_logprobs=top_logprobs)
+    sampling = openai_sampling(body, view, logprobs, top_logprobs)
     effort = field(body, "reasoning_effort", str)
     return NeutralRequest(
         dialect=CHAT,
@@ -145,7 +128,8 @@ def _response_format(body: dict[str, Any]) -> dict[str, str] | None:
 
 
 def _message(message: Any, i: int, current: bool = False) -> dict[str, Any]:
-    """One message in the template's shape; ``current``: the last one, the turn being answered."""
+    """One message in the template's shape; ``current``: the last user message, the turn being
+    answered."""
     where = f"messages[{i}]"
     check_type(message, dict, where)
     reject_unknown(message, MESSAGE_FIELDS, where)

@@ -69,6 +69,7 @@ from gateway.prompting import ModelView
 from gateway.request_fields import (
     check_type,
     field,
+    last_user_index,
     number_in,
     reject_unknown,
     text_of_parts,
@@ -319,6 +320,7 @@ def _history(items: list[Any], tools: _ToolSet) -> list[dict[str, Any]]:
             pending_reasoning.clear()
         return turn
 
+    asking = last_user_index(items)
     for i, item in enumerate(items):
         where = f"input[{i}]"
         check_type(item, dict, where)
@@ -326,7 +328,7 @@ def _history(items: list[Any], tools: _ToolSet) -> list[dict[str, Any]]:
         if kind == "message":
             role = field(item, "role", str, where, required=True)
             content = text_of_parts(item.get("content"), f"{where}.content", TEXT_PARTS,
-                                    current_turn=i == len(items) - 1 and role == "user")
+                                    current_turn=i == asking)
             if role == "assistant":
                 turn = None  # a second message item starts a new assistant message
                 assistant_turn()["content"] = content

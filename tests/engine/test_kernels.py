@@ -165,20 +165,20 @@ def test_a_type_without_kernel_is_held_as_float32_and_named(tmp_path):
     import gguf as gguf_package
 
     rng = np.random.default_rng(6)
-    raw = random_blocks(Q.Q5_0, 8, 64, rng)  # a block type the kernels do not serve
-    writer = gguf_package.GGUFWriter(str(tmp_path / "q5.gguf"), "llama")
-    writer.add_tensor("w", raw, raw_dtype=Q.Q5_0)
+    raw = random_blocks(Q.Q2_K, 8, 256, rng)  # a block type the kernels do not serve
+    writer = gguf_package.GGUFWriter(str(tmp_path / "q2.gguf"), "llama")
+    writer.add_tensor("w", raw, raw_dtype=Q.Q2_K)
     writer.add_tensor("v", random_blocks(Q.Q8_0, 8, 64, rng), raw_dtype=Q.Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    loaded = GGUFFile(tmp_path / "q5.gguf")
+    loaded = GGUFFile(tmp_path / "q2.gguf")
     fallback = loaded.weight("w")
     assert isinstance(fallback, DenseWeight)
-    np.testing.assert_array_equal(fallback.values, quants.dequantize(raw, Q.Q5_0))
+    np.testing.assert_array_equal(fallback.values, quants.dequantize(raw, Q.Q2_K))
     assert isinstance(loaded.weight("v"), QuantizedWeight)
-    assert loaded.dense_fallbacks == {"w": "Q5_0"}
+    assert loaded.dense_fallbacks == {"w": "Q2_K"}
 
 
 def test_silu_times_matches_numpy():

@@ -63,6 +63,11 @@ def _compare(model, fixture: dict, chunks: list[int]) -> tuple[float, float]:
 # float rounding; an f16 cache rounds every key and value to 11 significant bits (measured:
 # max |Δlogit| 0.0036 llama, 0.0026 qwen3, 0.0024 qwen3moe), with the same top-1 everywhere.
 KV_TOLERANCE = {"f32": 1e-3, "f16": 1e-2}
+# llama.cpp computes GELU through a table indexed by the input rounded to f16, holding f16
+# values; this engine computes it in f32. On the GELU families that alone moves the logits by
+# about 1e-3 (measured on gemma3_tiny: 0.0030 max |Δlogit| with an f32 cache, every top-1 the
+# same; emulating the table halves it), so they get this much more room.
+GELU_TABLE_SLACK = {"silu": 0.0, "gelu_tanh": 4e-3}
 
 
 @pytest.mark.parametrize("kv_type", sorted(KV_TOLERANCE))
@@ -73,12 +78,13 @@ def test_tiny_model_logits_match_llama_cpp(arch, kv_type, tmp_path):
     path = tmp_path / f"{arch}.gguf"
     write_tiny_gguf(path, rebuild.get("arch", arch), seed=rebuild.get("seed", 0), **rebuild.get("overrides", {}))
     model = load_model(GGUFFile(path), kv_type=kv_type)
+    tolerance = KV_TOLERANCE[kv_type] + GELU_TABLE_SLACK[model.activation]
     n = len(fixture["tokens"])
     # all at once, then in uneven chunks through the KV cache: both must match
     for chunks in ([n], [7, 1, 13, n - 21]):
         max_logit, max_logprob = _compare(model, fixture, chunks)
-        assert max_logit < KV_TOLERANCE[kv_type], f"{arch}: max |Δlogit| {max_logit}"
-        assert max_logprob < KV_TOLERANCE[kv_type]
+        assert max_logit < tolerance, f"{arch}: max |Δlogit| {max_logit}"
+        assert max_logprob < tolerance
 
 
 @pytest.fixture(scope="module")

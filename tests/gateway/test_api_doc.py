@@ -14,7 +14,7 @@ import httpx
 import pytest
 from conftest import wait_until
 
-from gateway.dialects import anthropic_messages, openai_chat, openai_responses
+from gateway.dialects import anthropic_messages, openai_chat, openai_completions, openai_responses
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "API.md"
 STATUSES = {"honored", "ignored", "rejected"}
@@ -128,7 +128,13 @@ MESSAGES = Dialect(
     },
     anthropic=True)
 
-DIALECTS = [CHAT, RESPONSES, MESSAGES]
+COMPLETIONS = Dialect(
+    "completions", openai_completions, "### Completions request fields", "/v1/completions",
+    {"model": "m", "prompt": "Hi", "max_tokens": 1},
+    rejected_samples={},
+    ignored_samples={"user": "user-1", "metadata": {"purpose": "doc-test"}})
+
+DIALECTS = [CHAT, RESPONSES, MESSAGES, COMPLETIONS]
 by_name = pytest.mark.parametrize("dialect", DIALECTS, ids=[d.name for d in DIALECTS])
 
 
@@ -136,6 +142,8 @@ def with_text(dialect: Dialect, text: str) -> dict[str, Any]:
     """The minimal request with this user text instead of "Hi"."""
     if dialect is RESPONSES:
         return {**dialect.minimal, "input": text}
+    if dialect is COMPLETIONS:
+        return {**dialect.minimal, "prompt": text}
     return {**dialect.minimal, "messages": [{"role": "user", "content": text}]}
 
 
@@ -247,7 +255,8 @@ def test_error_table_lists_every_condition(error_rows):
 
 
 # a path that is not served, per dialect (the envelope follows the path)
-UNKNOWN_PATHS = {"chat": "/v2/nothing", "responses": "/v1/responses/one/two", "messages": "/v1/messages/nothing"}
+UNKNOWN_PATHS = {"chat": "/v2/nothing", "responses": "/v1/responses/one/two", "messages": "/v1/messages/nothing",
+                 "completions": "/v1/completions/nothing"}
 
 
 @by_name
@@ -256,7 +265,7 @@ def test_cheap_error_rows_on_the_live_stack(stack, dialect, error_rows):
     check_row(error_rows, "wrong type", dialect, post(stack, dialect, {**dialect.minimal, "temperature": "hot"}))
     check_row(error_rows, "unknown field", dialect, post(stack, dialect, {**dialect.minimal, "nope": 1}))
     refused = {"chat": {"n": 2}, "responses": {"background": True},
-               "messages": {"output_format": {"type": "json_object"}}}[dialect.name]
+               "messages": {"output_format": {"type": "json_object"}}, "completions": {"n": 2}}[dialect.name]
     check_row(error_rows, "rejected field", dialect, post(stack, dialect, {**dialect.minimal, **refused}))
     check_row(error_rows, "unknown path", dialect, post(stack, dialect, {}, path=UNKNOWN_PATHS[dialect.name]))
     check_row(error_rows, "wrong method", dialect, http.get(stack.url + dialect.path))
@@ -273,7 +282,8 @@ def test_prompt_too_long_row(stack, dialect, error_rows):
     if dialect.anthropic:
         assert re.fullmatch(r"prompt is too long: \d+ tokens > \d+ maximum", message), message
     else:
-        assert dialect.error_of(response)["param"] == ("input" if dialect is RESPONSES else "messages")
+        param = "input" if dialect is RESPONSES else "prompt" if dialect is COMPLETIONS else "messages"
+        assert dialect.error_of(response)["param"] == param
 
 
 @pytest.fixture(scope="module")
@@ -335,6 +345,9 @@ def test_streams_end_as_documented(stack):
     assert [e["type"] for e in responses[:2]] == ["response.created", "response.in_progress"]
     assert responses[-1]["type"] in ("response.completed", "response.incomplete", "response.failed")
     assert [e["sequence_number"] for e in responses] == list(range(len(responses)))
+    completions = events(COMPLETIONS)
+    assert completions[-1] == "data: [DONE]"
+    assert json.loads(completions[-2][6:])["choices"][0]["finish_reason"] == "length"
     messages = [line for line in events(MESSAGES) if line.startswith("event: ")]
     assert messages[:2] == ["event: message_start", "event: ping"]
     assert messages[-2:] == ["event: message_delta", "event: message_stop"]

@@ -172,6 +172,11 @@ def test_headers_that_trickle_in_are_cut_off(start_gateway, stack_worker):
             pass
     assert time.monotonic() - started < 10
     assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in reply
+    # a connection that never sends a byte is cut as well
+    with socket.create_connection((host, int(port)), timeout=20) as silent:
+        started = time.monotonic()
+        assert silent.recv(65536).startswith(b"HTTP/1.1 408")
+        assert time.monotonic() - started < 10
     assert http.get(gateway.url + "/health").status_code == 200
 
 

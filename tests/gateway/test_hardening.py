@@ -123,6 +123,10 @@ def test_images_of_earlier_turns_stand_as_a_note_in_every_dialect(stack, anthrop
         {"type": "input_image", "image_url": "data:image/png;base64," + PNG}]}]}, "input[0].content[0].type"),
     ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [ANTHROPIC_IMAGE]}]},
      "messages[0].content[0].type"),
+    # a prefilled answer after the question does not make the question an earlier turn
+    ("/v1/messages", {"max_tokens": 5, "messages": [
+        {"role": "user", "content": [ANTHROPIC_IMAGE, {"type": "text", "text": "What is in it?"}]},
+        {"role": "assistant", "content": "It shows"}]}, "messages[0].content[0].type"),
 ])
 def test_an_image_in_the_turn_being_answered_is_a_400_that_says_why(stack, path, body, param):
     response = httpx.post(stack.url + path, json={"model": "m", **body}, timeout=30,
@@ -182,6 +186,10 @@ def _lone_surrogate_in_text(body: dict) -> bytes:
     return json.dumps(body).replace('"hi"', text).encode()
 
 
+def _raw_surrogate(body: dict) -> bytes:
+    return json.dumps(body).replace('"hi"', '"hi X"').encode().replace(b"X", b"\xed\xa0\x80")  # not UTF-8
+
+
 def _deep(body: dict) -> bytes:
     return json.dumps(body)[:-1].encode() + b', "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 
@@ -193,6 +201,7 @@ def _long_number(body: dict) -> bytes:
 @pytest.mark.parametrize("path", sorted(MINIMAL))
 @pytest.mark.parametrize(("make", "fragment"), [
     (_lone_surrogate_in_model, "lone UTF-16 surrogate"), (_lone_surrogate_in_text, "lone UTF-16 surrogate"),
+    (_raw_surrogate, "not UTF-8"),
     (_deep, "too deeply"), (_long_number, "more than 4,000 digits")])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bodies_that_are_json_but_not_usable_get_a_400_in_the_dialect(stack, path, make, fragment, stream):

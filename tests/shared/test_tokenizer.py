@@ -11,7 +11,7 @@ import pytest
 from shared.errors import TokenizerError
 from shared.tokenizer import PRE_NAMES, TOKEN_CONTROL, TOKEN_USER_DEFINED, Tokenizer
 
-VOCABS = ("smollm2", "qwen3")
+VOCABS = ("smollm2", "qwen3", "gemma3")
 
 
 def _with(meta: dict[str, Any], **changes: Any) -> dict[str, Any]:
@@ -69,14 +69,15 @@ def test_fixture_exercises_both_modes(parity):
 def test_decode_round_trips_the_corpus(vocab, parse_special, parity, tokenizers):
     tokenizer = tokenizers[vocab]
     for text in parity["corpus"]:
-        assert tokenizer.decode(tokenizer.encode(text, parse_special=parse_special)) == text
+        assert tokenizer.decode(tokenizer.encode(text, add_special=False, parse_special=parse_special)) == text
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_incremental_decoder_holds_back_partial_characters(vocab, tokenizers):
     tokenizer = tokenizers[vocab]
-    text = "Emoji 😀👩‍👩‍👧‍👦🇫🇷 and CJK 日本語のテキスト, 한국어 🤖!"
-    ids = tokenizer.encode(text)
+    # the last two no piece of Gemma's vocabulary covers: they come as byte tokens
+    text = "Emoji 😀👩‍👩‍👧‍👦🇫🇷 and CJK 日本語のテキスト, 한국어 🤖! \u2fd5\U00010348"
+    ids = tokenizer.encode(text, add_special=False)
     decoder = tokenizer.incremental_decoder()
     pieces = [decoder.push(i) for i in ids]
     assert "".join(pieces) + decoder.flush() == text
@@ -212,17 +213,18 @@ def test_every_known_pre_tokenizer_builds_and_round_trips(pre, smollm_metadata, 
 
 
 @pytest.mark.parametrize(("damage", "message"), [
-    ({"merges": None}, "lacks merges"), ({"pre": "martian"}, "'martian'"), ({"model": "llama"}, "'llama'")])
+    ({"merges": None}, "lacks merges"), ({"pre": "martian"}, "'martian'"), ({"model": "mamba"}, "'mamba'"), ({"model": "llama"}, "one score per token")])
 def test_a_received_spec_is_checked_by_its_kind_of_vocabulary(smollm_tokenizer, damage, message):
-    """The kind named by ``model`` checks its own entries (byte-level BPE: merges and pre)."""
+    """The kind named by ``model`` checks its own entries (byte-level BPE: merges and pre;
+    SentencePiece: scores)."""
     with pytest.raises(TokenizerError, match=message):
         Tokenizer.from_spec({**smollm_tokenizer.to_spec(), **damage})
 
 
 def test_unknown_tokenizer_model_is_a_clear_error(smollm_metadata):
     with pytest.raises(TokenizerError) as info:
-        Tokenizer.from_gguf_metadata(_with(smollm_metadata, model="llama"))
-    assert "'llama'" in info.value.message and "gpt2" in info.value.message
+        Tokenizer.from_gguf_metadata(_with(smollm_metadata, model="rwkv"))
+    assert "'rwkv'" in info.value.message and "gpt2" in info.value.message
 
 
 def test_unknown_pre_tokenizer_is_a_clear_error(smollm_metadata):
@@ -252,3 +254,16 @@ def test_add_bos_without_bos_id_is_refused(smollm_metadata):
     meta = _with(smollm_metadata, add_bos_token=True, bos_token_id=None)
     with pytest.raises(TokenizerError, match="BOS"):
         Tokenizer.from_gguf_metadata(meta)
+
+
+def test_a_continuation_takes_no_leading_space(gemma3_model):
+    """SentencePiece adds its leading space at the start of a text and after a control token,
+    not where a prompt's text resumes after a piece tokenized apart (gateway/prompting.py)."""
+    from worker.engine.gguf_file import GGUFFile
+
+    meta = {**GGUFFile(gemma3_model).metadata, "tokenizer.ggml.add_space_prefix": True}  # as Llama 2's files
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    start = tokenizer.encode("x now", add_special=False)
+    resumed = tokenizer.encode("x now", add_special=False, continuation=True)
+    assert tokenizer.id_to_piece(start[0]).startswith("\u2581") and resumed[0] != start[0]
+    assert tokenizer.decode(resumed) == "x now" and tokenizer.decode(start) == " x now"

@@ -358,7 +358,7 @@ class DecoderModel:
         layer, spec = self.layers[i], self.fused[i]
         if spec is None:
             return x + self.self_attention(i, ops.rms_norm(x, layer["attn_norm"], self.hp.rms_eps), fp)
-        return fused.attention_output(x, self._fused_attention(i, x, fp), *spec.output)
+        return fused.attention_output(x, self.fused_attention(i, x, fp), *spec.output)
 
     def ffn_half(self, i: int, x: np.ndarray) -> np.ndarray:
         """x + FFN(RMSNorm(x)) with the family's gate activation; compiled where the layer
@@ -381,10 +381,12 @@ class DecoderModel:
             return fused.dense_block(x, spec.attention, rope, *cache.kernel_arrays(i), cache.length,
                                      np.float32(options.scale), options.window, np.float32(options.softcap),
                                      spec.output, spec.swiglu)
-        attn = self._fused_attention(i, x, fp)
+        attn = self.fused_attention(i, x, fp)
         return fused.attention_output_swiglu(x, attn, *spec.output, *spec.swiglu)
 
-    def _fused_attention(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
+    def fused_attention(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
+        """Compiled: attn_norm, Q/K/V, Q/K norms, RoPE, the caches' store and attention of each
+        sequence; returns [T, H*dv] before the output projection. Only where ``fused[i]``."""
         hp, options = self.hp, self.attention_options[i]
         q, k, v = fused.attention_inputs(x, *self.fused[i].attention, *fp.rope[i],
                                          hp.n_head, hp.n_head_kv, hp.head_dim, hp.value_dim)

@@ -25,6 +25,8 @@ Q = GGMLQuantizationType
 INT8_KERNELS = {
     Q.Q4_0: matmul.matmul_q4_0,
     Q.Q4_1: matmul.matmul_q4_1,
+    Q.Q5_0: matmul.matmul_q5_0,
+    Q.Q5_1: matmul.matmul_q5_1,
     Q.Q8_0: matmul.matmul_q8_0,
     Q.Q4_K: matmul.matmul_q4_k,
     Q.Q5_K: matmul.matmul_q5_k,

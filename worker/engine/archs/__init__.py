@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from shared.errors import ModelLoadError
+from worker.engine.archs.gemma3 import Gemma3Model
 from worker.engine.archs.llama import LlamaModel
 from worker.engine.archs.qwen3 import Qwen3Model
 from worker.engine.archs.qwen3moe import Qwen3MoeModel
@@ -10,6 +11,7 @@ from worker.engine.gguf_file import GGUFFile
 from worker.engine.model import DecoderModel
 
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
+    "gemma3": Gemma3Model,
     "llama": LlamaModel,
     "qwen3": Qwen3Model,
     "qwen3moe": Qwen3MoeModel,

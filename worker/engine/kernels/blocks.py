@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, types
 
-from worker.engine.kernels.simd import (abs_bytes, bytes_f32, load_f16, load_i8x16_nibbles, load_i8x32, load_u32,
+from worker.engine.kernels.simd import (abs_bytes, bits_as_bytes, bytes_f32, load_f16, load_i8x16_nibbles, load_i8x32, load_u32,
                                         low_nibbles, madd, maddubs, mul_f32, or_bytes, pair_scales_i16, shifted_bits,
                                         sign_bytes, splat_f32, splat_i16, splat_i8, sub_i16, where_bits, zeros_f32)
 
@@ -65,6 +65,24 @@ def decode_q4_1(row, u):
     # 20 bytes: scale and minimum (f16), 16 bytes of nibbles; weight = d * q + m
     base = u * 20
     return load_i8x16_nibbles(row, base + 4), splat_i16(1), load_f16(row, base), load_f16(row, base + 2)
+
+
+@njit(**_inline)
+def decode_q5_0(row, u):
+    # 22 bytes: scale (f16), 32 fifth bits (bit j: weight j), 16 bytes of nibbles as in Q4_0;
+    # weight = d * (q - 16)
+    base = u * 22
+    d = load_f16(row, base)
+    q = or_bytes(load_i8x16_nibbles(row, base + 6), bits_as_bytes(load_u32(row, base + 2), 16))
+    return q, splat_i16(1), d, np.float32(-16.0) * d
+
+
+@njit(**_inline)
+def decode_q5_1(row, u):
+    # 24 bytes: scale and minimum (f16), 32 fifth bits, 16 bytes of nibbles; weight = d * q + m
+    base = u * 24
+    q = or_bytes(load_i8x16_nibbles(row, base + 8), bits_as_bytes(load_u32(row, base + 4), 16))
+    return q, splat_i16(1), load_f16(row, base), load_f16(row, base + 2)
 
 
 @njit(**_inline)

@@ -24,8 +24,8 @@ from worker.engine.kernels.simd import (abs_f32, add_f32, div_f32, load_f32x8, m
                                         where_nonnegative_f32, zeros_f32)
 
 # GGML type codes of the types with a kernel (gguf.GGMLQuantizationType values)
-F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
-TYPE_CODES = frozenset((F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16))
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+TYPE_CODES = frozenset((F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16))
 
 
 @njit(nogil=True, cache=True)
@@ -46,6 +46,10 @@ def product(kind, weights, x, values, scales, sums, out):
         matmul.matmul_q4_0(weights, values, scales, sums, out)
     elif kind == Q4_1:
         matmul.matmul_q4_1(weights, values, scales, sums, out)
+    elif kind == Q5_0:
+        matmul.matmul_q5_0(weights, values, scales, sums, out)
+    elif kind == Q5_1:
+        matmul.matmul_q5_1(weights, values, scales, sums, out)
     elif kind == Q8_0:
         matmul.matmul_q8_0(weights, values, scales, sums, out)
     elif kind == Q4_K:

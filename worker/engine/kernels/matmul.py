@@ -251,6 +251,16 @@ def matmul_q4_1(weights, values, scales, sums, out):
 
 
 @njit(nogil=True, cache=True)
+def matmul_q5_0(weights, values, scales, sums, out):
+    return matmul_int8(blocks.decode_q5_0, blocks.product_unsigned, weights, values, scales, sums, out)
+
+
+@njit(nogil=True, cache=True)
+def matmul_q5_1(weights, values, scales, sums, out):
+    return matmul_int8(blocks.decode_q5_1, blocks.product_unsigned, weights, values, scales, sums, out)
+
+
+@njit(nogil=True, cache=True)
 def matmul_q8_0(weights, values, scales, sums, out):
     return matmul_int8(blocks.decode_q8_0, blocks.product_signed, weights, values, scales, sums, out)
 

@@ -289,6 +289,16 @@ def where_bits(typingctx, a, bit, value):
 
 
 @intrinsic
+def bits_as_bytes(typingctx, word, value):
+    """``value`` in byte j where bit j of the low 32 bits of ``word`` is set, else 0."""
+    def codegen(context, builder, sig, args):
+        lanes = I8x32.llvm_type()
+        bits = builder.bitcast(builder.trunc(args[0], ir.IntType(32)), ir.VectorType(ir.IntType(1), 32))
+        return builder.select(bits, _broadcast(builder, args[1], lanes), ir.Constant(lanes, [0] * 32))
+    return I8x32(word, value), codegen
+
+
+@intrinsic
 def splat_i16(typingctx, value):
     """16 copies of an integer (as int16)."""
     def codegen(context, builder, sig, args):

@@ -1,0 +1,113 @@
+"""POST /v1/completions through the real stack, on Gemma 3 270M (a base model, real weights):
+the official openai SDK's completions client, streaming, echo, logprobs, stop strings, token-id
+prompts, and the chat dialects' answer to a model without a chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "logits_gemma3_270m.npz"
+# Gemma's turn markers, as its instruction-tuned siblings write them (a test template)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def greedy() -> dict:
+    with np.load(FIXTURE) as data:
+        meta = json.loads(str(data["meta"]))["greedy"]
+        return {"prompt": meta["prompt"], "text": meta["text"], "prompt_ids": data["greedy_prompt_ids"].tolist(),
+                "n": len(data["greedy_ids"])}
+
+
+@pytest.fixture(scope="module")
+def gemma(start_worker, start_gateway, gemma3_model):
+    return start_gateway(start_worker(gemma3_model, "--ctx", "512"))
+
+
+@pytest.fixture(scope="module")
+def client(gemma) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gemma.url + "/v1", api_key="x", max_retries=0)
+
+
+def test_a_greedy_completion_continues_as_llama_cpp_does(client, greedy):
+    """llama.cpp on the same file: " Paris, France. It is the tallest building in the world"."""
+    completion = client.completions.create(model="m", prompt=greedy["prompt"], max_tokens=greedy["n"], temperature=0)
+    assert completion.object == "text_completion"
+    assert completion.choices[0].text == greedy["text"]
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage.prompt_tokens == len(greedy["prompt_ids"])
+    assert completion.usage.completion_tokens == greedy["n"]
+
+
+def test_streaming_gives_the_same_text_then_usage(client, greedy):
+    chunks = list(client.completions.create(model="m", prompt=greedy["prompt"], max_tokens=greedy["n"], temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == greedy["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == greedy["n"] and not chunks[-1].choices
+
+
+def test_token_ids_echo_and_legacy_logprobs(client, greedy):
+    completion = client.completions.create(model="m", prompt=greedy["prompt_ids"], max_tokens=4, temperature=0,
+                                           echo=True, logprobs=3)
+    choice = completion.choices[0]
+    assert choice.text.startswith(greedy["prompt"]) and choice.text[len(greedy["prompt"]):] == greedy["text"][:len(
+        "".join(choice.logprobs.tokens))]
+    assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == 4
+    assert all(len(top) == 3 for top in choice.logprobs.top_logprobs)
+    # greedy: each chosen token is its position's best alternative
+    for token, logprob, top in zip(choice.logprobs.tokens, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs):
+        assert logprob == pytest.approx(max(top.values()), abs=1e-4) and token in top
+    assert choice.logprobs.text_offset[0] == len(greedy["prompt"])
+
+
+def test_a_stop_string_ends_the_text_before_it(client, greedy):
+    completion = client.completions.create(model="m", prompt=greedy["prompt"], max_tokens=12, temperature=0, stop=[","])
+    assert completion.choices[0].text == greedy["text"].split(",")[0]
+    assert completion.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(("body", "fragment"), [
+    ({"prompt": ["one", "two"]}, "one per request"),
+    ({"prompt": "x", "suffix": "y"}, "fill-in-the-middle"),
+    ({"prompt": [1, 2, 10**7]}, "not a token id of this model"),
+    ({"prompt": []}, "nothing to continue"),  # "" is a prompt of BOS alone: an unconditioned start
+    ({"prompt": "x", "n": 2}, "'n' must be 1"),
+    ({"prompt": "x", "logprobs": 9}, "'logprobs' must be between 0 and 5"),
+])
+def test_bad_completions_are_400s_that_say_what_to_fix(gemma, body, fragment):
+    response = httpx.post(gemma.url + "/v1/completions", json={"model": "m", **body}, timeout=60)
+    assert response.status_code == 400
+    assert fragment in response.json()["error"]["message"]
+
+
+def test_chat_to_a_base_model_points_to_completions(gemma):
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/responses", {"input": "hi"}),
+                       ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})):
+        response = httpx.post(gemma.url + path, json={"model": "m", **body}, timeout=60,
+                              headers={"anthropic-version": "2023-06-01"})
+        assert response.status_code == 400, path
+        assert "/v1/completions" in response.json()["error"]["message"] and "--chat-template" in \
+            response.json()["error"]["message"]
+
+
+def test_a_chat_template_from_the_command_line(start_worker, start_gateway, gemma3_model, tmp_path):
+    template = tmp_path / "gemma.jinja"
+    template.write_text(GEMMA_TEMPLATE, encoding="utf-8")
+    gateway = start_gateway(start_worker(gemma3_model, "--ctx", "512", "--chat-template", str(template)))
+    chat = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "The capital of France is"}], max_tokens=3, temperature=0)
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    # <bos> <start_of_turn> user \n … <end_of_turn> \n <start_of_turn> model \n: the template ran
+    assert chat.usage.prompt_tokens > len("The capital of France is".split()) + 6
