@@ -327,6 +327,10 @@ def fuzz(stack: Stack, cases: int, seed: int) -> Row:
     run()
     client.close()
     del row.notes[5:]
+    if row.hangs:  # what the processes said about slow steps, to tell a stall from a lost reply
+        for name in ("worker", "gateway0", "gateway1"):
+            said = (stack.workdir / f"{name}.log").read_text(errors="replace").splitlines()
+            row.notes += [f"{name}: {line[-160:]}" for line in said if "WARNING" in line or "ERROR" in line][:3]
     return row
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from worker.kv_slots import Slot, SlotPool
 from worker.kv_spill import KVSpiller
 from worker.scripted import ScriptedReplies
 
+SLOW_MASKS = 1.0  # seconds: a step whose grammar masks take longer is logged with its streams
 log = logging.getLogger("lmserve.worker")
 
 Sender = Callable[[bytes, Message], None]
@@ -326,7 +328,12 @@ class Scheduler:
         if not constrained:
             return {}
         try:
+            started = time.perf_counter()
             rows = self.grammar.masks([s.matcher for s in constrained])
+            spent = time.perf_counter() - started
+            if spent > SLOW_MASKS:  # every stream of the batch waited this long for the grammars
+                log.warning("grammar masks took %.1f s in one step (%s)", spent,
+                            ", ".join(s.request.request_id for s in constrained))
             return {id(stream): row for stream, row in zip(constrained, rows)}
         except Exception:
             log.exception("computing the batch's grammar masks failed; retrying stream by stream")
