@@ -327,11 +327,24 @@ def fuzz(stack: Stack, cases: int, seed: int) -> Row:
     run()
     client.close()
     del row.notes[5:]
-    if row.hangs:  # what the processes said about slow steps, to tell a stall from a lost reply
+    if row.hangs:  # what the processes said meanwhile, to tell a stall from a failure
         for name in ("worker", "gateway0", "gateway1"):
             said = (stack.workdir / f"{name}.log").read_text(errors="replace").splitlines()
             row.notes += [f"{name}: {line[-160:]}" for line in said if "WARNING" in line or "ERROR" in line][:3]
+            row.notes += [f"{name} raised: {line[:200]}" for line in exceptions(said)][:3]
     return row
+
+
+def exceptions(lines: list[str]) -> list[str]:
+    """The closing line of each traceback in a log (its exception type and message)."""
+    found, inside = [], False
+    for line in lines:
+        if line.startswith("Traceback (most recent call last)"):
+            inside = True
+        elif inside and line and not line.startswith((" ", "\t")):
+            found.append(line)
+            inside = False
+    return found
 
 
 # --- 2. kills ------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.faults import CHAT, COUNT, MESSAGES, RESPONSES, Outcome, Row, is_envelope, table
+from bench.faults import CHAT, COUNT, MESSAGES, RESPONSES, Outcome, Row, exceptions, is_envelope, table
 
 
 @pytest.mark.parametrize("path", [CHAT, RESPONSES])
@@ -47,3 +47,11 @@ def test_hangs_and_server_errors_are_counted_and_503_only_where_a_process_is_dow
         killing.count(Outcome(status=status))
     assert (row.hangs, row.server_errors, killing.server_errors) == (1, 2, 1)
     assert "| x | 5 | 2 | 1 | 0 | 0 |" in table([row])
+
+
+def test_a_logs_tracebacks_are_reduced_to_their_exceptions():
+    log = ["INFO fine", "ERROR Exception in ASGI application", "Traceback (most recent call last):",
+           '  File "x.py", line 1, in f', "    raise KeyError(1)", "KeyError: 1", "",
+           "During handling of the above exception, another exception occurred:", "",
+           "Traceback (most recent call last):", '  File "y.py", line 2', "RuntimeError: boom", "INFO after"]
+    assert exceptions(log) == ["KeyError: 1", "RuntimeError: boom"]
