@@ -111,15 +111,11 @@ class ModelView:
         if self.template is None:
             raise InvalidRequestError(NO_TEMPLATE, param="messages")
         # the client's text alone already too long: refused before it is scanned or rendered
-        at_least = -(-text_length((messages, tools, prefill)) // self.tokenizer.max_token_chars)
-        if at_least >= self.context_budget:
-            raise ContextOverflowError(at_least, self.context_budget, at_least=True)
+        self.refuse_beyond_context(text_length((messages, tools, prefill)))
         quoted = ClientText(self.control_texts)
         messages, tools, prefill = quoted.mark(messages), quoted.mark(tools), quoted.mark(prefill)
         text = self.render(messages, tools, reasoning, prefill)
-        at_least = -(-len(text) // self.tokenizer.max_token_chars)
-        if at_least >= self.context_budget:
-            raise ContextOverflowError(at_least, self.context_budget, at_least=True)
+        self.refuse_beyond_context(len(text))
         return self.encode_prompt(text, quoted)
 
     def text_prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -134,13 +130,18 @@ class ModelView:
                                           f"(0 to {vocab - 1})", param="prompt")
             ids = list(prompt)
         else:
-            at_least = -(-len(prompt) // self.tokenizer.max_token_chars)
-            if at_least >= self.context_budget:
-                raise ContextOverflowError(at_least, self.context_budget, at_least=True)
+            self.refuse_beyond_context(len(prompt))
             ids = self.encode_prompt(prompt)
         if not ids:
             raise InvalidRequestError("'prompt' is empty: there is nothing to continue", param="prompt")
         return ids
+
+    def refuse_beyond_context(self, chars: int) -> None:
+        """Refuse text that cannot fit before tokenizing it: no token stands for more than
+        ``max_token_chars`` characters, so ``chars`` bounds its tokens from below."""
+        at_least = -(-chars // self.tokenizer.max_token_chars)
+        if at_least >= self.context_budget:
+            raise ContextOverflowError(at_least, self.context_budget, at_least=True)
 
     def check_fits(self, prompt_tokens: int) -> None:
         if prompt_tokens >= self.context_budget:
