@@ -86,7 +86,8 @@ class WorkerProcess(ChildProcess):
 
         return asyncio.run(ask())
 
-    def wait_ready(self, timeout: float = 120) -> None:
+    def wait_ready(self, timeout: float = 600) -> None:
+        # a worker is ready once it has run its kernels, which on a first start compiles them
         try:
             self.card(timeout)
         except TimeoutError:

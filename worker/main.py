@@ -85,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
                  engine.architecture, engine.model.weight_bytes / 1e6, time.perf_counter() - started, threads)
         for name, qtype in engine.model.dense_fallbacks.items():
             log.warning("%s (%s) has no compiled kernel here: held as float32", name, qtype)
+        log.info("running each kernel once before serving")
+        started = time.perf_counter()
+        engine.warm_up()
+        log.info("kernels ready in %.1f s (a first start on this CPU compiles them; later starts read "
+                 "numba's disk cache)", time.perf_counter() - started)
         scripted = ScriptedReplies.load(args.scripted_replies, engine.tokenizer) \
             if args.scripted_replies else None
         if scripted is not None:

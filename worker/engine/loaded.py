@@ -49,6 +49,16 @@ class Engine:
     def new_cache(self, max_tokens: int) -> KVCache:
         return self.model.new_cache(max_tokens)
 
+    def warm_up(self) -> None:
+        """Run each path of a forward pass once on scratch caches: a chunk of one sequence, a
+        batch of two, one token alone. numba compiles a kernel on its first call (on a first
+        start on a CPU that takes a minute or more; later starts load it from the disk cache),
+        so without this the first requests would wait for it, holding the engine."""
+        first, second = self.new_cache(8), self.new_cache(8)
+        self.model.forward([(first, [0, 1, 2])])
+        self.model.forward([(first, [3]), (second, [0, 1])])
+        self.model.forward([(second, [2])])
+
     def prefill(self, cache: KVCache, tokens: list[int], chunk: int = DEFAULT_PREFILL_CHUNK) -> np.ndarray:
         """Feed tokens in chunks (bounded memory for attention scores); logits of the last one."""
         logits = None

@@ -178,6 +178,7 @@ class DecoderModel:
         if self.activation not in ACTIVATIONS:
             raise ModelLoadError(f"{self.architecture}: unknown FFN activation {self.activation!r}")
         self.kv_type = kv_type
+        kernels.start_threads()
         self.hp = self.read_hparams(gguf)
         self.layers: list[dict[str, Any]] = []
         self.token_embd = gguf.weight("token_embd.weight", dense=exact)

@@ -25,6 +25,16 @@ def available() -> bool:
     return all(features.get(name, False) for name in REQUIRED_FEATURES)
 
 
+def start_threads() -> None:
+    """Start numba's thread pool if nothing has yet. A parallel kernel that is loaded from the
+    disk cache and reached only through another compiled function (``fused.dense_block`` calling
+    ``matmul_int8``) does not start it, and runs into a segmentation fault (numba issue 8578);
+    ``numba.get_num_threads`` starts it as a side effect."""
+    import numba
+
+    numba.get_num_threads()
+
+
 def set_threads(n: int | None) -> int:
     """Use n threads in the kernels (None: every core this process may use); returns n.
 

@@ -1,0 +1,67 @@
+"""A worker runs each kernel once before it serves (``Engine.warm_up``), so that no request waits
+for numba to compile one: on a first start on a CPU that takes a minute or more, and a request
+that triggered it held the engine, and every stream behind it, that long.
+
+Checked in a fresh interpreter per family (a test process has compiled kernels already): after
+``warm_up``, the forwards the scheduler makes (a prompt in chunks, decode batches of several
+sequences, one sequence alone, over the KV type served) add no signature to any compiled
+kernel. The interpreter never calls ``kernels.set_threads``, as a library user of the engine
+might not: loading the model must start numba's threads itself, or a parallel kernel read from
+the disk cache through a compiled caller crashes the process (see ``kernels.start_threads``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_models import ARCHS, write_tiny_gguf
+
+REPO = Path(__file__).resolve().parents[2]
+
+PROBE = """
+import json, sys
+import numba.core.registry
+from worker.engine.loaded import Engine
+
+def signatures():
+    import sys as _sys
+    found = {}
+    for name, module in list(_sys.modules.items()):
+        if not name.startswith("worker.engine.kernels"):
+            continue
+        for attr, value in vars(module).items():
+            if isinstance(value, numba.core.registry.CPUDispatcher):
+                found[f"{name}.{attr}"] = sorted(str(s) for s in value.signatures)
+    return found
+
+engine = Engine.load(sys.argv[1], kv_type=sys.argv[2])
+engine.warm_up()
+before = signatures()
+caches = [engine.new_cache(64) for _ in range(3)]
+engine.prefill(caches[0], list(range(20)), chunk=7)
+engine.model.forward([(caches[1], [1, 2, 3, 4, 5])])
+for step in range(3):
+    engine.model.forward([(c, [step + 6]) for c in caches])
+engine.model.forward([(caches[2], [9])])
+after = signatures()
+print(json.dumps({"before": before, "after": after}))
+"""
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_serving_compiles_nothing_after_the_warm_up(tmp_path, arch, kv_type):
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_gguf(path, arch, tensor_type="Q8_0")
+    out = subprocess.run([sys.executable, "-c", PROBE, str(path), kv_type], cwd=REPO, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert any(seen["before"].values()), "the warm-up ran no compiled kernel"
+    added = {name: sorted(set(sigs) - set(seen["before"].get(name, [])))
+             for name, sigs in seen["after"].items() if set(sigs) - set(seen["before"].get(name, []))}
+    assert added == {}, f"compiled after the warm-up: {added}"
