@@ -23,9 +23,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, types
 
-from worker.engine.kernels.simd import (abs_bytes, bits_as_bytes, bytes_f32, load_f16, load_i8x16_nibbles, load_i8x32, load_u32,
-                                        low_nibbles, madd, maddubs, mul_f32, or_bytes, pair_scales_i16, shifted_bits,
-                                        sign_bytes, splat_f32, splat_i16, splat_i8, sub_i16, where_bits, zeros_f32)
+from worker.engine.kernels.simd import (abs_bytes, bits_as_bytes, bytes_f32, dot_bytes, load_f16, load_i8x16_nibbles,
+                                        load_i8x32, load_u32, low_nibbles, mul_f32, or_bytes, pair_scales_i16,
+                                        shifted_bits, sign_bytes, splat_f32, splat_i16, splat_i8, sub_bytes, where_bits,
+                                        zeros_f32)
 
 _inline = dict(inline="always", cache=True)
 
@@ -35,19 +36,19 @@ _inline = dict(inline="always", cache=True)
 @njit(**_inline)
 def product_unsigned(q, pair_scales, a):
     """Σ q·a per 8 lanes, each 16-weight half times its scale (q in 0..63, a int8)."""
-    return madd(maddubs(q, a), pair_scales)
+    return dot_bytes(q, a, pair_scales)
 
 
 @njit(**_inline)
 def product_signed(q, pair_scales, a):
-    """The same for signed weights: |q| × (a with q's sign) keeps maddubs' left side unsigned."""
-    return madd(maddubs(abs_bytes(q), sign_bytes(a, q)), pair_scales)
+    """The same for signed weights: |q| × (a with q's sign) keeps the left side unsigned."""
+    return dot_bytes(abs_bytes(q), sign_bytes(a, q), pair_scales)
 
 
 @njit(**_inline)
 def product_offset32(q, pair_scales, a):
     """Σ (q - 32)·a per half, times the half's scale (Q6_K's levels are centred on 32)."""
-    return madd(sub_i16(maddubs(q, a), maddubs(splat_i8(32), a)), pair_scales)
+    return product_signed(sub_bytes(q, splat_i8(32)), pair_scales, a)
 
 
 # --- 32-weight blocks -----------------------------------------------------------------------------

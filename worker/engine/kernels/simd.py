@@ -5,10 +5,14 @@ numba has no vector types, so this module declares four (32 × int8, 16 × int16
 operations the block-quantized dot products need. Kernels written with them read like their
 C counterparts while staying Python; LLVM keeps the values in registers.
 
-The integer products are the two AVX2 multiply-adds every int8 dot product on x86 is built
-from: ``maddubs`` (32 unsigned bytes × 32 signed bytes → 16 saturating int16 pair sums) and
-``madd`` (16 × 16 int16 → 8 int32 pair sums). Callers must only compile these kernels where
-the CPU has AVX2 (``cpu.has_avx2``): elsewhere the engine takes its portable path.
+The integer product is ``dot_bytes``: 32 unsigned bytes × 32 signed bytes → 8 int32 sums of
+four. On CPUs with VNNI (AVX512-VNNI with AVX512-VL, or AVX-VNNI) it is one ``vpdpbusd``; on
+the others the two AVX2 multiply-adds every int8 dot product on x86 is otherwise built from,
+``maddubs`` (→ 16 saturating int16 pair sums) and ``madd`` (→ 8 int32 pair sums). Which one is
+decided when a kernel compiles, for the CPU it compiles on (numba's disk cache is keyed by the
+CPU), and both give the same integers wherever ``maddubs`` cannot saturate, which holds for every
+block type here. Callers must only compile these kernels where the CPU has AVX2 (see
+``kernels.available``): elsewhere the engine takes its portable path.
 """
 
 from __future__ import annotations
@@ -205,20 +209,34 @@ def load_bf16x8(typingctx, array, byte_offset):
 
 # --- integer products -------------------------------------------------------------------------
 
-@intrinsic
-def maddubs(typingctx, unsigned_bytes, signed_bytes):
-    """u8 × s8 products summed in adjacent pairs → 16 int16 (saturating)."""
-    def codegen(context, builder, sig, args):
-        return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", I16x16.llvm_type(), list(args))
-    return I16x16(I8x32, I8x32), codegen
+def _host_has(*names: str) -> bool:
+    from llvmlite import binding
+
+    features = binding.get_host_cpu_features()
+    return all(features.get(name, False) for name in names)
+
+
+HAS_VNNI = _host_has("avx512vnni", "avx512vl") or _host_has("avxvnni")
 
 
 @intrinsic
-def madd(typingctx, a, b):
-    """int16 × int16 products summed in adjacent pairs → 8 int32."""
+def dot_bytes(typingctx, unsigned_bytes, signed_bytes, pair_scales):
+    """Σ u·s over each four consecutive bytes → 8 int32, lane j times ``pair_scales``' lane 2j.
+
+    ``pair_scales`` (16 int16, as ``madd`` takes them) must come in equal pairs, as
+    ``splat_i16`` and ``pair_scales_i16`` make them; a constant one costs nothing."""
     def codegen(context, builder, sig, args):
-        return _call(builder, "llvm.x86.avx2.pmadd.wd", I32x8.llvm_type(), list(args))
-    return I32x8(I16x16, I16x16), codegen
+        u, s, scales = args
+        if not HAS_VNNI:
+            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", I16x16.llvm_type(), [u, s])
+            return _call(builder, "llvm.x86.avx2.pmadd.wd", I32x8.llvm_type(), [pairs, scales])
+        lanes = I32x8.llvm_type()
+        sums = _call(builder, "llvm.x86.avx512.vpdpbusd.256", lanes,
+                     [ir.Constant(lanes, [0] * 8), builder.bitcast(u, lanes), builder.bitcast(s, lanes)])
+        even = builder.shuffle_vector(scales, scales, ir.Constant(ir.VectorType(ir.IntType(32), 8),
+                                                                  list(range(0, 16, 2))))
+        return builder.mul(sums, builder.sext(even, lanes))
+    return I32x8(I8x32, I8x32, I16x16), codegen
 
 
 @intrinsic
@@ -237,10 +255,11 @@ def abs_bytes(typingctx, a):
 
 
 @intrinsic
-def sub_i16(typingctx, a, b):
+def sub_bytes(typingctx, a, b):
+    """a - b per byte (wrapping)."""
     def codegen(context, builder, sig, args):
         return builder.sub(args[0], args[1])
-    return I16x16(I16x16, I16x16), codegen
+    return I8x32(I8x32, I8x32), codegen
 
 
 @intrinsic
