@@ -10,6 +10,8 @@ to 70 rows (past one 64-row pass), rows of several blocks.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
@@ -193,3 +195,23 @@ def test_silu_times_matches_numpy():
     want = x / (1 + np.exp(-x)) * u
     got = fused.silu_times(g.copy(), u)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-30)
+
+
+def test_the_kernel_cache_is_one_directory_per_version_of_every_kernel_source(tmp_path):
+    import numba
+
+    from shared.default_model import cache_dir
+    from worker.engine.kernels import cache_directory, fused
+
+    simd, blocks = tmp_path / "simd.py", tmp_path / "blocks.py"
+    simd.write_text("A = 1\n")
+    blocks.write_text("B = 2\n")
+    first = cache_directory([simd, blocks], "base")
+    assert cache_directory([blocks, simd], "base") == first
+    simd.write_text("A = 3\n")  # a file the kernels inline changed: a new place, no stale code
+    assert cache_directory([simd, blocks], "base") != first
+    assert first.startswith("base" + os.sep)
+    # the decorated kernels took that place (numba fixes it at decoration)
+    expected_base = os.environ.get("NUMBA_CACHE_DIR") or str(cache_dir() / "kernels")
+    assert numba.config.CACHE_DIR.startswith(expected_base + os.sep)
+    assert fused.dense_block.stats.cache_path.startswith(numba.config.CACHE_DIR)

@@ -3,14 +3,46 @@
 The kernels are built on the 256-bit operations of ``simd.py`` and need AVX2, FMA and F16C;
 ``available()`` says whether this CPU has them (otherwise the engine holds float32 weights and
 multiplies with BLAS). Compiled code is cached on disk (numba's cache, keyed by the CPU), so
-only a process's first start on a machine compiles.
+only a process's first start on a machine compiles (see ``_use_cache_of_these_sources``).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
+from pathlib import Path
 
 REQUIRED_FEATURES = ("avx2", "fma", "f16c")
+
+
+def cache_directory(sources: list[Path], base: str) -> str:
+    """Where numba caches the kernels compiled from ``sources``: ``base`` joined with a hash of
+    their names and contents.
+
+    numba tells a stale cached kernel by its own file's contents only, but the kernels here
+    inline functions of other files (``simd.py``'s operations, ``blocks.py``'s decoders): after
+    an update that changed only those, a kernel would load code compiled against the old ones.
+    A directory per version of the whole package leaves no such mix."""
+    digest = hashlib.sha256()
+    for source in sorted(sources):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    return os.path.join(base, digest.hexdigest()[:16])
+
+
+def _use_cache_of_these_sources() -> None:
+    """Under lmserve's cache (``$LMSERVE_CACHE``), or ``$NUMBA_CACHE_DIR`` where that is set, so a
+    read-only install caches too. Runs before any kernel module is imported: numba fixes a
+    function's cache place when it is decorated."""
+    import numba
+
+    from shared.default_model import cache_dir
+
+    base = os.environ.get("NUMBA_CACHE_DIR") or str(cache_dir() / "kernels")
+    numba.config.CACHE_DIR = cache_directory(list(Path(__file__).parent.glob("*.py")), base)
+
+
+_use_cache_of_these_sources()
 
 
 @functools.cache
