@@ -86,9 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     engine = Engine.load(args.model or default_model_path(), exact=args.exact, kv_type=args.kv_type)
     load_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    engine.warm_up()  # as a worker does before it serves: no figure below includes a compile
+    warm_seconds = time.perf_counter() - started
     held = "float32 (exact path)" if args.exact else "in the file's blocks"
     print(f"model {engine.model_id} ({engine.architecture}), {engine.model.weight_bytes / 2**20:.0f} MiB "
-          f"of weights held {held}, {args.kv_type} KV cache, loaded in {load_seconds:.1f} s, {threads} threads")
+          f"of weights held {held}, {args.kv_type} KV cache, loaded in {load_seconds:.1f} s, "
+          f"kernels ready in {warm_seconds:.1f} s, {threads} threads")
     print(f"{'lmserve engine':40s} {'min':>8s} {'median':>8s} {'max':>8s}")
     for label, values in measure(engine, args.repeats, args.long):
         print(f"{label:40s} {_spread(values)}")

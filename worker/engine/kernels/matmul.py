@@ -19,8 +19,8 @@ import numpy as np
 from numba import njit, prange
 
 from worker.engine.kernels import blocks
-from worker.engine.kernels.simd import (fmadd, lane_f32, load_bf16x8, load_f16x8, load_f32x8, load_f32x8_at,
-                                        load_i8x32, mul_f32, splat_f32, sum_f32, to_f32, zeros_f32)
+from worker.engine.kernels.simd import (fmadd, hadd_i32, join_halves_i32, load_bf16x8, load_f16x8, load_f32x8,
+                                        load_f32x8_at, load_i8x32, mul_f32, splat_f32, sum_f32, to_f32, zeros_f32)
 
 TILE = 4  # rows of x per pass over a weight row
 CHUNK = 64  # rows of x per pass over the weights: their int8 values stay in the core's cache
@@ -111,28 +111,35 @@ def matmul_int8(decode, product, weights, values, scales, sums, out):
 
 
 @njit(inline="always", cache=True)
-def _unit(product, q, pair_scales, values, r, u, factor, j, acc):
-    """acc + lane j of ``factor`` times unit u of weights (q, pair_scales) and of activation row r."""
-    return fmadd(lane_f32(factor, j), to_f32(product(q, pair_scales, load_i8x32(values[r], u * 32))), acc)
+def _pair_sum(product, q0, pair_scales0, q1, pair_scales1, x, at):
+    """Two adjacent units' integer products with one activation row (x, the units' first byte
+    ``at``), adjacent lanes added: the first step of ``_unit_sums``."""
+    return hadd_i32(product(q0, pair_scales0, load_i8x32(x, at)), product(q1, pair_scales1, load_i8x32(x, at + 32)))
 
 
 @njit(inline="always", cache=True)
-def _super_tile(unit, product, row, s, j, values, r, factors, acc):
-    """Unit j of super-block s of a weight row times activation rows r..r+3."""
-    f0, f1, f2, f3 = factors
-    a0, a1, a2, a3 = acc
-    q, pair_scales = unit(row, s, j)
-    u = 8 * s + j
-    return (_unit(product, q, pair_scales, values, r, u, f0, j, a0),
-            _unit(product, q, pair_scales, values, r + 1, u, f1, j, a1),
-            _unit(product, q, pair_scales, values, r + 2, u, f2, j, a2),
-            _unit(product, q, pair_scales, values, r + 3, u, f3, j, a3))
+def _pair_tile(unit, product, row, s, j, values, r):
+    """Units j and j+1 of super-block s (decoded once) times activation rows r..r+3."""
+    q0, pair_scales0 = unit(row, s, j)
+    q1, pair_scales1 = unit(row, s, j + 1)
+    at = (8 * s + j) * 32
+    return (_pair_sum(product, q0, pair_scales0, q1, pair_scales1, values[r], at),
+            _pair_sum(product, q0, pair_scales0, q1, pair_scales1, values[r + 1], at),
+            _pair_sum(product, q0, pair_scales0, q1, pair_scales1, values[r + 2], at),
+            _pair_sum(product, q0, pair_scales0, q1, pair_scales1, values[r + 3], at))
 
 
 @njit(inline="always", cache=True)
-def _super_single(unit, product, row, s, j, values, r, factor, acc):
-    q, pair_scales = unit(row, s, j)
-    return _unit(product, q, pair_scales, values, r, 8 * s + j, factor, j, acc)
+def _pair_single(unit, product, row, s, j, x):
+    q0, pair_scales0 = unit(row, s, j)
+    q1, pair_scales1 = unit(row, s, j + 1)
+    return _pair_sum(product, q0, pair_scales0, q1, pair_scales1, x, (8 * s + j) * 32)
+
+
+@njit(inline="always", cache=True)
+def _unit_sums(pairs01, pairs23, pairs45, pairs67):
+    """Lane j: the whole integer product of unit j (exact in int32, and in float32 after)."""
+    return to_f32(join_halves_i32(hadd_i32(pairs01, pairs23), hadd_i32(pairs45, pairs67)))
 
 
 @njit(inline="always", cache=True)
@@ -146,7 +153,8 @@ def _super_factors(scale, offset, scales, sums, r, s, low):
 def matmul_super(scales_of, unit, product, weights, values, scales, sums, out):
     """``matmul_int8`` for the K-quants' super-blocks of eight units: each super-block's scales
     and offsets are decoded once, as 8-lane vectors, and every row's eight factors (and offset
-    terms) are one vector product; the units then take their factor from its lane."""
+    terms) are one vector product; each unit's integer product is summed across its lanes in
+    int32 (``_unit_sums``), so the eight units meet their eight factors in one multiply-add."""
     m = values.shape[0]
     supers = values.shape[1] // 256
     for first in range(0, m, CHUNK):
@@ -164,15 +172,15 @@ def matmul_super(scales_of, unit, product, weights, values, scales, sums, out):
                     f1, l1 = _super_factors(scale, offset, scales, sums, r + 1, s, l1)
                     f2, l2 = _super_factors(scale, offset, scales, sums, r + 2, s, l2)
                     f3, l3 = _super_factors(scale, offset, scales, sums, r + 3, s, l3)
-                    factors = (f0, f1, f2, f3)
-                    acc = _super_tile(unit, product, row, s, 0, values, r, factors, acc)
-                    acc = _super_tile(unit, product, row, s, 1, values, r, factors, acc)
-                    acc = _super_tile(unit, product, row, s, 2, values, r, factors, acc)
-                    acc = _super_tile(unit, product, row, s, 3, values, r, factors, acc)
-                    acc = _super_tile(unit, product, row, s, 4, values, r, factors, acc)
-                    acc = _super_tile(unit, product, row, s, 5, values, r, factors, acc)
-                    acc = _super_tile(unit, product, row, s, 6, values, r, factors, acc)
-                    acc = _super_tile(unit, product, row, s, 7, values, r, factors, acc)
+                    p01 = _pair_tile(unit, product, row, s, 0, values, r)
+                    p23 = _pair_tile(unit, product, row, s, 2, values, r)
+                    p45 = _pair_tile(unit, product, row, s, 4, values, r)
+                    p67 = _pair_tile(unit, product, row, s, 6, values, r)
+                    a0, a1, a2, a3 = acc
+                    acc = (fmadd(f0, _unit_sums(p01[0], p23[0], p45[0], p67[0]), a0),
+                           fmadd(f1, _unit_sums(p01[1], p23[1], p45[1], p67[1]), a1),
+                           fmadd(f2, _unit_sums(p01[2], p23[2], p45[2], p67[2]), a2),
+                           fmadd(f3, _unit_sums(p01[3], p23[3], p45[3], p67[3]), a3))
                 a0, a1, a2, a3 = acc
                 out[r, o] = sum_f32(a0) + sum_f32(l0)
                 out[r + 1, o] = sum_f32(a1) + sum_f32(l1)
@@ -184,14 +192,11 @@ def matmul_super(scales_of, unit, product, weights, values, scales, sums, out):
                 for s in range(supers):
                     scale, offset = scales_of(row, s)
                     factor, low = _super_factors(scale, offset, scales, sums, r, s, low)
-                    acc = _super_single(unit, product, row, s, 0, values, r, factor, acc)
-                    acc = _super_single(unit, product, row, s, 1, values, r, factor, acc)
-                    acc = _super_single(unit, product, row, s, 2, values, r, factor, acc)
-                    acc = _super_single(unit, product, row, s, 3, values, r, factor, acc)
-                    acc = _super_single(unit, product, row, s, 4, values, r, factor, acc)
-                    acc = _super_single(unit, product, row, s, 5, values, r, factor, acc)
-                    acc = _super_single(unit, product, row, s, 6, values, r, factor, acc)
-                    acc = _super_single(unit, product, row, s, 7, values, r, factor, acc)
+                    x = values[r]
+                    acc = fmadd(factor, _unit_sums(_pair_single(unit, product, row, s, 0, x),
+                                                   _pair_single(unit, product, row, s, 2, x),
+                                                   _pair_single(unit, product, row, s, 4, x),
+                                                   _pair_single(unit, product, row, s, 6, x)), acc)
                 out[r, o] = sum_f32(acc) + sum_f32(low)
     return out
 

@@ -464,6 +464,27 @@ def sums8_f32(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
     return F32x8(F32x8, F32x8, F32x8, F32x8, F32x8, F32x8, F32x8, F32x8), codegen
 
 
+@intrinsic
+def hadd_i32(typingctx, a, b):
+    """Adjacent lane pairs of a and b, per 128-bit half: (a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, ...)."""
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.x86.avx2.phadd.d", I32x8.llvm_type(), list(args))
+    return I32x8(I32x8, I32x8), codegen
+
+
+@intrinsic
+def join_halves_i32(typingctx, quad_low, quad_high):
+    """The last step of eight vectors' lane sums: ``quad_low`` = hadd(hadd(v0, v1), hadd(v2, v3))
+    holds v0..v3's low-half sums in its low half and their high-half sums in its high half, as
+    ``quad_high`` does for v4..v7; the result's lane j is the sum of all of vj's lanes."""
+    def codegen(context, builder, sig, args):
+        index = ir.VectorType(ir.IntType(32), 8)
+        low = builder.shuffle_vector(args[0], args[1], ir.Constant(index, [0, 1, 2, 3, 8, 9, 10, 11]))
+        high = builder.shuffle_vector(args[0], args[1], ir.Constant(index, [4, 5, 6, 7, 12, 13, 14, 15]))
+        return builder.add(low, high)
+    return I32x8(I32x8, I32x8), codegen
+
+
 # --- float lanes the loop vectorizer leaves scalar ------------------------------------------------
 # numba lowers max() and np.floor so that LLVM does not vectorize loops holding them; kernels
 # that need them across a row write the lanes out with these.
