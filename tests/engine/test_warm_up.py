@@ -65,3 +65,28 @@ def test_serving_compiles_nothing_after_the_warm_up(tmp_path, arch, kv_type):
     added = {name: sorted(set(sigs) - set(seen["before"].get(name, [])))
              for name, sigs in seen["after"].items() if set(sigs) - set(seen["before"].get(name, []))}
     assert added == {}, f"compiled after the warm-up: {added}"
+
+
+def test_the_warm_up_leaves_no_kernel_team_on_the_calling_thread(tmp_path):
+    """OpenMP keeps a team of threads per thread that ran a parallel kernel. The warm-up runs on
+    the worker's main thread, the kernels later on its engine thread: a team left on the main
+    thread put the engine's threads to sleep between kernels (a served step took three times as
+    long). So its passes run on a thread that has ended when it returns."""
+    import threading
+
+    from worker.engine.loaded import Engine
+
+    path = tmp_path / "llama.gguf"
+    write_tiny_gguf(path, "llama", tensor_type="Q8_0")
+    engine = Engine.load(path)
+    ran_on: list[threading.Thread] = []
+    forward = engine.model.forward
+
+    def recording_forward(batch):
+        ran_on.append(threading.current_thread())
+        return forward(batch)
+
+    engine.model.forward = recording_forward
+    engine.warm_up()
+    assert ran_on, "the warm-up ran no forward pass"
+    assert all(thread is not threading.main_thread() and not thread.is_alive() for thread in ran_on)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,11 +54,29 @@ class Engine:
         """Run each path of a forward pass once on scratch caches: a chunk of one sequence, a
         batch of two, one token alone. numba compiles a kernel on its first call (on a first
         start on a CPU that takes a minute or more; later starts load it from the disk cache),
-        so without this the first requests would wait for it, holding the engine."""
-        first, second = self.new_cache(8), self.new_cache(8)
-        self.model.forward([(first, [0, 1, 2])])
-        self.model.forward([(first, [3]), (second, [0, 1])])
-        self.model.forward([(second, [2])])
+        so without this the first requests would wait for it, holding the engine.
+
+        The passes run on a thread of their own that ends with them. OpenMP (numba's threading
+        layer) keeps a team of threads for each thread that ran a parallel kernel; a team left
+        on the caller would count against the cores while another thread (the worker's engine
+        thread) runs the kernels, and libgomp then puts idle threads to sleep between parallel
+        regions instead of spinning: a served decode step took three times as long."""
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                first, second = self.new_cache(8), self.new_cache(8)
+                self.model.forward([(first, [0, 1, 2])])
+                self.model.forward([(first, [3]), (second, [0, 1])])
+                self.model.forward([(second, [2])])
+            except BaseException as exc:  # raised again on the caller's thread
+                failure.append(exc)
+
+        thread = threading.Thread(target=run, name="warm-up")
+        thread.start()
+        thread.join()
+        if failure:
+            raise failure[0]
 
     def prefill(self, cache: KVCache, tokens: list[int], chunk: int = DEFAULT_PREFILL_CHUNK) -> np.ndarray:
         """Feed tokens in chunks (bounded memory for attention scores); logits of the last one."""
