@@ -97,7 +97,7 @@ def prepare(view: ModelView, request: NeutralRequest) -> tuple[tool_calls.ToolPl
     runs, and what the token counting endpoints count."""
     tools = tool_calls.plan(view, request)
     if request.prompt is not None:
-        return tools, view.text_prompt_ids(request.prompt)
+        return tools, view.text_prompt_ids(request.prompt, request.suffix)
     return tools, view.prompt_ids(tools.prompt_messages(request.messages), tools.declared, request.reasoning,
                                   request.prefill)
 

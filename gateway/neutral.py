@@ -29,6 +29,8 @@ class NeutralRequest:
     # A text completion's prompt (text, or token ids) continued as it is: no template, no
     # reasoning split, no tools; ``messages`` is then empty.
     prompt: str | list[int] | None = None
+    # fill-in-the-middle: the text after the gap, where ``prompt`` is the text before it
+    suffix: str | None = None
     ignore_eos: bool = False  # generate past end-of-turn tokens, up to max_tokens (benchmark clients)
     cache_hint: str | None = None  # session id for cache affinity
     # The reply's constraint, as the worker takes it ({"kind": json_schema | json_object | regex |

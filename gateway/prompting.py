@@ -118,10 +118,15 @@ class ModelView:
         self.refuse_beyond_context(len(text))
         return self.encode_prompt(text, quoted)
 
-    def text_prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def text_prompt_ids(self, prompt: str | list[int], suffix: str | None = None) -> list[int]:
         """A text completion's prompt as it is: token ids checked against the vocabulary, or
         text tokenized with the vocabulary's BOS (no template, control tokens live: the whole
-        prompt is the client's to write)."""
+        prompt is the client's to write).
+
+        With a ``suffix``, the prompt is the text before a gap and the suffix the text after it,
+        laid out prefix-suffix-middle as fill-in-the-middle models are trained: BOS where the
+        vocabulary adds one, then <prefix> prompt <suffix> suffix <middle>; the model writes the
+        gap. The caller has checked the vocabulary has the three tokens."""
         if isinstance(prompt, list):
             vocab = self.tokenizer.vocab_size
             bad = next((t for t in prompt if not 0 <= t < vocab), None)
@@ -130,8 +135,16 @@ class ModelView:
                                           f"(0 to {vocab - 1})", param="prompt")
             ids = list(prompt)
         else:
-            self.refuse_beyond_context(len(prompt))
-            ids = self.encode_prompt(prompt)
+            self.refuse_beyond_context(len(prompt) + len(suffix or ""))
+            if suffix is None:
+                ids = self.encode_prompt(prompt)
+            else:  # the BOS goes before the prefix token
+                ids = self.tokenizer.encode(prompt, add_special=False)
+        if suffix is not None:
+            tokenizer = self.tokenizer
+            prefix_id, suffix_id, middle_id = tokenizer.fim_ids
+            bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+            return [*bos, prefix_id, *ids, suffix_id, *tokenizer.encode(suffix, add_special=False), middle_id]
         if not ids:
             raise InvalidRequestError("'prompt' is empty: there is nothing to continue", param="prompt")
         return ids

@@ -55,6 +55,16 @@ END_OF_TURN_TEXTS = frozenset({
     "<|end_of_text|>", "<EOT>",
 })
 
+# Fill-in-the-middle: the GGUF keys of the prefix, suffix and middle tokens, and, for files that
+# lack them, the token texts of the families that spell them out (Qwen2.5-Coder, StarCoder,
+# DeepSeek-Coder's ASCII form).
+FIM_KEYS = ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.fim_mid_token_id")
+FIM_TEXTS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
+)
+
 # --- pre-tokenizer split regexes (llama.cpp's, per pre type) -------------------------------
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -131,6 +141,19 @@ def _get(meta: dict[str, Any], key: str, kind: type, required: bool = True) -> A
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise TokenizerError(f"GGUF metadata {key!r} should be {kind.__name__}, got {type(value).__name__}")
     return value
+
+
+def _fim_ids(meta: dict[str, Any], tokens: list[str], types: bytes) -> list[int] | None:
+    """[prefix, suffix, middle] ids: from the GGUF keys when all three are there, else from the
+    first family's texts that the vocabulary holds as control or user-defined tokens."""
+    ids = [_optional_id(meta, key, len(tokens)) for key in FIM_KEYS]
+    if all(i is not None for i in ids):
+        return ids
+    added = {text: i for i, text in enumerate(tokens) if types[i] in (TOKEN_CONTROL, TOKEN_USER_DEFINED)}
+    for texts in FIM_TEXTS:
+        if all(text in added for text in texts):
+            return [added[text] for text in texts]
+    return None
 
 
 def _optional_id(meta: dict[str, Any], key: str, vocab_size: int) -> int | None:
@@ -377,6 +400,7 @@ class Tokenizer:
             "eom_id": _optional_id(meta, "tokenizer.ggml.eom_token_id", size),
             "add_bos": vocabulary.add_bos_default(entries) if add_bos is None else bool(add_bos),
             "add_eos": False if add_eos is None else bool(add_eos),
+            "fim_ids": _fim_ids(meta, tokens, type_bytes),
         }
         return cls.from_spec(spec)
 
@@ -490,6 +514,12 @@ class Tokenizer:
     @property
     def add_bos(self) -> bool:
         return self._add_bos
+
+    @property
+    def fim_ids(self) -> tuple[int, int, int] | None:
+        """The fill-in-the-middle tokens (prefix, suffix, middle), where the vocabulary has them."""
+        ids = self._spec.get("fim_ids")
+        return tuple(ids) if ids else None
 
     @property
     def add_eos(self) -> bool:

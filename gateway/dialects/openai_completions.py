@@ -5,8 +5,9 @@ send raw prompts are answered.
 One prompt and one choice per request (``n`` and ``best_of`` 1). ``logprobs`` is the legacy
 integer (0 to 5 alternatives) and comes back in the legacy shape (tokens, token_logprobs,
 top_logprobs, text_offset). ``echo`` puts the prompt's text before the completion. ``suffix``
-(fill-in-the-middle) needs a model with FIM tokens; the families served here have none, so it is
-refused rather than ignored.
+makes the request a fill-in-the-middle one (``ModelView.text_prompt_ids`` lays it out): the
+completion is the text between the prompt and the suffix. It needs a model whose vocabulary has
+the FIM tokens (``Tokenizer.fim_ids``); elsewhere it is refused rather than ignored.
 """
 
 from __future__ import annotations
@@ -54,9 +55,12 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
     for key in ("n", "best_of"):
         if field(body, key, int, default=1) != 1:
             raise InvalidRequestError(f"'{key}' must be 1: this server returns one completion per request", param=key)
-    if field(body, "suffix", str):
-        raise InvalidRequestError("'suffix' (fill-in-the-middle) needs a model with FIM tokens, and this one has "
-                                  "none", param="suffix")
+    suffix = field(body, "suffix", str)
+    if view.tokenizer.fim_ids is None:
+        if suffix:
+            raise InvalidRequestError("'suffix' (fill-in-the-middle) needs a model with FIM tokens, and this one "
+                                      "has none", param="suffix")
+        suffix = None  # an empty one asks for nothing
     prompt = _prompt(body.get("prompt"))
     logprobs = number_in(body, "logprobs", 0, 5, integer=True, default=None)
     echo = bool(field(body, "echo", bool, default=False))
@@ -68,6 +72,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         model=field(body, "model", str, default=view.model_id),
         messages=[],
         prompt=prompt,
+        suffix=suffix,
         max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
         sampling=sampling,
         stop=stop_list(body.get("stop"), "stop", limit=4),

@@ -1,6 +1,7 @@
 """POST /v1/completions through the real stack, on Gemma 3 270M (a base model, real weights):
 the official openai SDK's completions client, streaming, echo, logprobs, stop strings, token-id
-prompts, and the chat dialects' answer to a model without a chat template."""
+prompts, and the chat dialects' answer to a model without a chat template; fill-in-the-middle
+(``suffix``) on a tiny qwen3 model, whose vocabulary has the FIM tokens."""
 
 from __future__ import annotations
 
@@ -111,3 +112,35 @@ def test_a_chat_template_from_the_command_line(start_worker, start_gateway, gemm
     assert chat.choices[0].finish_reason in ("length", "stop")
     # <bos> <start_of_turn> user \n … <end_of_turn> \n <start_of_turn> model \n: the template ran
     assert chat.usage.prompt_tokens > len("The capital of France is".split()) + 6
+
+
+@pytest.fixture(scope="module")
+def qwen_fim(tmp_path_factory, start_worker, start_gateway):
+    """A tiny qwen3 model: its vocabulary has Qwen2.5-Coder's FIM tokens (found by their texts)."""
+    from tiny_models import write_tiny_gguf
+
+    model = tmp_path_factory.mktemp("fim") / "qwen3.gguf"
+    write_tiny_gguf(model, "qwen3", context_length=1024)
+    return start_gateway(start_worker(model, "--ctx", "1024"))
+
+
+def test_a_suffix_asks_to_fill_the_middle_in_the_family_s_layout(qwen_fim, qwen_tokenizer):
+    """Qwen2.5-Coder's published layout is <|fim_prefix|>PREFIX<|fim_suffix|>SUFFIX<|fim_middle|>;
+    the same text written out as a plain prompt must give the same prompt and the same greedy
+    continuation."""
+    client = openai.OpenAI(base_url=qwen_fim.url + "/v1", api_key="x", max_retries=0)
+    prefix, suffix = "def area(r):\n    return ", " * r * r\n"
+    filled = client.completions.create(model="m", prompt=prefix, suffix=suffix, max_tokens=6, temperature=0)
+    spelled = client.completions.create(model="m", prompt=f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>",
+                                        max_tokens=6, temperature=0)
+    expected = 3 + len(qwen_tokenizer.encode(prefix, add_special=False)) + \
+        len(qwen_tokenizer.encode(suffix, add_special=False))
+    assert filled.usage.prompt_tokens == spelled.usage.prompt_tokens == expected
+    assert filled.choices[0].text == spelled.choices[0].text
+    assert filled.usage.completion_tokens == 6
+
+
+def test_an_empty_suffix_to_a_model_without_fim_asks_for_nothing(gemma):
+    response = httpx.post(gemma.url + "/v1/completions", json={"model": "m", "prompt": "x", "suffix": "",
+                                                               "max_tokens": 1}, timeout=60)
+    assert response.status_code == 200

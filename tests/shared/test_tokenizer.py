@@ -267,3 +267,17 @@ def test_a_continuation_takes_no_leading_space(gemma3_model):
     resumed = tokenizer.encode("x now", add_special=False, continuation=True)
     assert tokenizer.id_to_piece(start[0]).startswith("\u2581") and resumed[0] != start[0]
     assert tokenizer.decode(resumed) == "x now" and tokenizer.decode(start) == " x now"
+
+
+def test_fill_in_the_middle_tokens_from_the_keys_or_the_texts(qwen_metadata, smollm_tokenizer):
+    by_text = Tokenizer.from_gguf_metadata(qwen_metadata)
+    assert [by_text.id_to_piece(i) for i in by_text.fim_ids] == ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
+    keyed = Tokenizer.from_gguf_metadata({**qwen_metadata, "tokenizer.ggml.fim_pre_token_id": 10,
+                                          "tokenizer.ggml.fim_suf_token_id": 11, "tokenizer.ggml.fim_mid_token_id": 12})
+    assert keyed.fim_ids == (10, 11, 12)
+    # the keys win only all together; and a vocabulary without the tokens has none
+    partial = Tokenizer.from_gguf_metadata({**qwen_metadata, "tokenizer.ggml.fim_pre_token_id": 10})
+    assert partial.fim_ids == by_text.fim_ids
+    assert smollm_tokenizer.fim_ids is None
+    # the ids travel with the spec a worker sends its gateways
+    assert Tokenizer.from_spec(msgpack.unpackb(msgpack.packb(keyed.to_spec()))).fim_ids == (10, 11, 12)
