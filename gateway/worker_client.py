@@ -86,6 +86,12 @@ class WorkerClient:
     def ready(self) -> bool:
         return self._ready.is_set()
 
+    @property
+    def last_heard(self) -> float:
+        """When (``time.monotonic``) the worker was last heard from: the clock of the silence
+        check."""
+        return self._last_heard
+
     def was_cut_off(self, request_id: str) -> bool:
         """Whether a request was dropped because its reader fell ``max_buffered`` replies behind."""
         return request_id in self._cut

@@ -85,6 +85,12 @@ class WorkerServer:
         self.scheduler.wake_io = self._wake_io
         self.gateways: dict[bytes, float] = {}  # identity -> last time heard from
         self.greeted: set[bytes] = set()  # gateways that said HELLO to this instance
+        # The card is packed once (its tokenizer spec is megabytes), and a gateway gets it at most
+        # once a heartbeat interval: a client that said HELLO every second while the worker was
+        # not yet bound (loading, compiling kernels) has them all delivered at once, and packing
+        # a card per HELLO held this thread, and every heartbeat, for seconds.
+        self.card_frames = self.card.frames()
+        self.carded: dict[bytes, float] = {}  # identity -> when its card went out
         self.stopping = threading.Event()
 
     def _model_card(self) -> ModelCard:
@@ -188,9 +194,13 @@ class WorkerServer:
                     "", 400, VERSION_MISMATCH,
                     version_mismatch_message(PROTOCOL_VERSION, message.version, "worker")).frames()])
                 return
-            log.info("gateway %s connected", message.gateway or identity.hex())
             self.greeted.add(identity)
-            self.router.send_multipart([identity, *self.card.frames()])
+            now = time.monotonic()
+            if now - self.carded.get(identity, float("-inf")) < self.settings.heartbeat_interval:
+                return  # a queued repeat: its card is on the way
+            self.carded[identity] = now
+            log.info("gateway %s connected", message.gateway or identity.hex())
+            self.router.send_multipart([identity, *self.card_frames])
         elif isinstance(message, Generate):
             if identity not in self.greeted:
                 self.router.send_multipart([identity, *Rejected(
@@ -213,6 +223,7 @@ class WorkerServer:
             if now - last_seen > self.settings.heartbeat_timeout:
                 del self.gateways[identity]
                 self.greeted.discard(identity)
+                self.carded.pop(identity, None)
                 ended = self.scheduler.abort_gateway(
                     identity, f"the worker heard nothing from this gateway for "
                               f"{self.settings.heartbeat_timeout:g} s and ended its streams")

@@ -20,7 +20,7 @@ from conftest import REPO, run
 from gateway.worker_client import WorkerClient
 from shared.chat_template import ChatTemplate
 from shared.errors import BusyError, InvalidRequestError, WorkerUnavailableError
-from shared.protocol import PROTOCOL_VERSION, Accepted, Finished, Generate, Tokens
+from shared.protocol import PROTOCOL_VERSION, Accepted, Finished, Generate, Hello, MsgType, Tokens
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
@@ -102,6 +102,42 @@ def test_version_mismatch_fails_at_hello_naming_both_versions(batch_worker):
         assert "999" in reply["message"] and str(PROTOCOL_VERSION) in reply["message"]
     finally:
         sock.close(0)
+
+
+def test_a_flood_of_hellos_gets_one_card_and_stalls_no_heartbeat(batch_worker):
+    """A client that said HELLO every second while the worker was loading has them all delivered
+    when it binds. Packing a card (megabytes of tokenizer) for each held the worker's IO thread
+    for seconds, and gateways beside it saw no heartbeat and gave their streams up."""
+    flood = zmq.Context.instance().socket(zmq.DEALER)
+    flood.setsockopt(zmq.LINGER, 0)
+    flood.connect(batch_worker.endpoint)
+
+    async def watch() -> tuple[int, float]:
+        client = await _client(batch_worker.endpoint)
+        try:
+            for _ in range(300):
+                flood.send_multipart(Hello(PROTOCOL_VERSION, "flood").frames())
+            beats, longest, last = 0, 0.0, time.monotonic()
+            deadline = last + 3.0
+            while time.monotonic() < deadline:  # the other client's view: when was it last heard from
+                heard = client.last_heard
+                if heard > last:
+                    beats, longest, last = beats + 1, max(longest, heard - last), heard
+                await asyncio.sleep(0.05)
+            return beats, max(longest, time.monotonic() - last)
+        finally:
+            await client.close()
+
+    try:
+        beats, longest_gap = asyncio.run(watch())
+        cards = 0
+        while flood.poll(500):
+            kind, *_ = flood.recv_multipart()
+            cards += kind == MsgType.MODEL_CARD.value
+    finally:
+        flood.close(0)
+    assert cards == 1, f"{cards} cards for 300 HELLOs from one client"
+    assert beats >= 2 and longest_gap < 1.5, (beats, longest_gap)
 
 
 def test_greedy_answer_is_paris(batch_worker):
