@@ -31,6 +31,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test shows the end of the log of each child process (worker, gateway, Redis,
+    nginx) that wrote to it while the test ran: a client's error alone seldom says why."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    for child in ChildProcess.started:
+        try:
+            if child.log_path.stat().st_mtime < call.start:
+                continue
+            tail = child.log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
+        except OSError:
+            continue
+        report.sections.append((f"log of {type(child).__name__} ({child.log_path.name}), last 3000 characters",
+                                tail))
+
+
 @pytest.fixture(scope="session")
 def default_model() -> Path:
     from shared.default_model import default_model_path
@@ -43,10 +62,12 @@ class ChildProcess:
     args: list[str]
     log_path: Path
     proc: subprocess.Popen | None = None
+    started: list[ChildProcess] = []  # every one this session, for the logs of a failed test
 
     def start(self):
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+        ChildProcess.started.append(self)
         return self
 
     def kill(self) -> None:
