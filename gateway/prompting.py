@@ -143,7 +143,7 @@ class ModelView:
         if suffix is not None:
             tokenizer = self.tokenizer
             prefix_id, suffix_id, middle_id = tokenizer.fim_ids
-            bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+            bos = [tokenizer.bos_id] if tokenizer.add_bos else []  # a spec that adds BOS names it
             return [*bos, prefix_id, *ids, suffix_id, *tokenizer.encode(suffix, add_special=False), middle_id]
         if not ids:
             raise InvalidRequestError("'prompt' is empty: there is nothing to continue", param="prompt")

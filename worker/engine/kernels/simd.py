@@ -457,11 +457,18 @@ def sums8_f32(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
             return _call(builder, "llvm.x86.avx.hadd.ps.256", F32x8.llvm_type(), [x, y])
         quad_low = hadd(hadd(args[0], args[1]), hadd(args[2], args[3]))
         quad_high = hadd(hadd(args[4], args[5]), hadd(args[6], args[7]))
-        index = ir.VectorType(ir.IntType(32), 8)
-        low_halves = builder.shuffle_vector(quad_low, quad_high, ir.Constant(index, [0, 1, 2, 3, 8, 9, 10, 11]))
-        high_halves = builder.shuffle_vector(quad_low, quad_high, ir.Constant(index, [4, 5, 6, 7, 12, 13, 14, 15]))
-        return builder.fadd(low_halves, high_halves)
+        return _join_halves(builder, quad_low, quad_high, builder.fadd)
     return F32x8(F32x8, F32x8, F32x8, F32x8, F32x8, F32x8, F32x8, F32x8), codegen
+
+
+def _join_halves(builder, quad_low, quad_high, add):
+    """The last step of eight vectors' lane sums by horizontal adds: ``quad_low`` (from v0..v3)
+    holds their low-half sums in its low half and their high-half sums in its high half, as
+    ``quad_high`` does for v4..v7; lane j of the result is the sum of all of vj's lanes."""
+    index = ir.VectorType(ir.IntType(32), 8)
+    low = builder.shuffle_vector(quad_low, quad_high, ir.Constant(index, [0, 1, 2, 3, 8, 9, 10, 11]))
+    high = builder.shuffle_vector(quad_low, quad_high, ir.Constant(index, [4, 5, 6, 7, 12, 13, 14, 15]))
+    return add(low, high)
 
 
 @intrinsic
@@ -474,14 +481,10 @@ def hadd_i32(typingctx, a, b):
 
 @intrinsic
 def join_halves_i32(typingctx, quad_low, quad_high):
-    """The last step of eight vectors' lane sums: ``quad_low`` = hadd(hadd(v0, v1), hadd(v2, v3))
-    holds v0..v3's low-half sums in its low half and their high-half sums in its high half, as
-    ``quad_high`` does for v4..v7; the result's lane j is the sum of all of vj's lanes."""
+    """``_join_halves`` for int32: quad_low = hadd(hadd(v0, v1), hadd(v2, v3)), quad_high the same
+    of v4..v7; lane j of the result is the sum of all of vj's lanes."""
     def codegen(context, builder, sig, args):
-        index = ir.VectorType(ir.IntType(32), 8)
-        low = builder.shuffle_vector(args[0], args[1], ir.Constant(index, [0, 1, 2, 3, 8, 9, 10, 11]))
-        high = builder.shuffle_vector(args[0], args[1], ir.Constant(index, [4, 5, 6, 7, 12, 13, 14, 15]))
-        return builder.add(low, high)
+        return _join_halves(builder, args[0], args[1], builder.add)
     return I32x8(I32x8, I32x8), codegen
 
 
