@@ -88,7 +88,8 @@ GEMMA3_TEXT = (
     "time in a century."
 )
 
-TINY_MODELS = {f"{arch}_tiny": arch for arch in tiny_models.ARCHS}  # every registered architecture
+# every registered architecture and the variants with fixtures of their own
+TINY_MODELS = {f"{name}_tiny": spec for name, spec in tiny_models.TINY_FIXTURES.items()}
 ALL_NAMES = [*TINY_MODELS, "smollm2", "gemma3_270m"]
 
 # One context, one batch holding every token, f32 everywhere llama.cpp would otherwise round
@@ -200,9 +201,9 @@ def _dist_version(dist: str) -> str | None:
         return None
 
 
-def tiny_fixture(name: str, arch: str, scratch: Path) -> None:
+def tiny_fixture(name: str, arch: str, overrides: dict[str, Any], scratch: Path) -> None:
     print(f"{name}:")
-    info = tiny_models.write_tiny_gguf(scratch / f"{name}.gguf", arch, seed=TINY_SEED)
+    info = tiny_models.write_tiny_gguf(scratch / f"{name}.gguf", arch, seed=TINY_SEED, **overrides)
     model_path = Path(info["path"])
     rng = np.random.default_rng(TINY_TOKEN_SEED)
     tokens = [int(t) for t in rng.integers(0, info["n_vocab"], size=TINY_TOKEN_COUNT)]
@@ -216,7 +217,7 @@ def tiny_fixture(name: str, arch: str, scratch: Path) -> None:
         "kind": "tiny_models.write_tiny_gguf",
         "arch": arch,
         "seed": TINY_SEED,
-        "overrides": {},
+        "overrides": overrides,
         "hparams": {k: v for k, v in info.items() if k not in ("path", "tensor_shapes")},
         "sha256": sha256_of(model_path),
     }
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="logit-fixtures-", dir=scratch_parent) as scratch:
         for name in names:
             if name in TINY_MODELS:
-                tiny_fixture(name, TINY_MODELS[name], Path(scratch))
+                tiny_fixture(name, *TINY_MODELS[name], Path(scratch))
             elif name == "gemma3_270m":
                 gemma3_fixture(Path(scratch))
             else:

@@ -33,7 +33,8 @@ def test_header_matches_description(written: dict, arch: str) -> None:
     assert meta[f"{arch}.block_count"] == info["n_layer"]
     assert meta[f"{arch}.embedding_length"] == info["n_embd"]
     assert meta[f"{arch}.attention.head_count"] == info["n_head"]
-    assert meta[f"{arch}.attention.head_count_kv"] == info["n_head_kv"]
+    kv_heads = meta[f"{arch}.attention.head_count_kv"]
+    assert (kv_heads if isinstance(kv_heads, list) else [kv_heads] * info["n_layer"]) == info["layer_kv_heads"]
     assert meta[f"{arch}.attention.key_length"] == info["head_dim"]
     assert meta[f"{arch}.rope.dimension_count"] == info["head_dim"]
     assert meta[f"{arch}.context_length"] == 256
@@ -53,10 +54,10 @@ def test_tensor_shapes_are_numpy_order(written: dict, arch: str) -> None:
         assert gguf_file.tensor_info(name).shape == shape, name
         assert gguf_file.tensor_info(name).type_name == "F32", name
 
-    n_embd, head_dim = info["n_embd"], info["head_dim"]
+    n_embd, head_dim = info["n_embd"], info["layer_head_dims"][0]
     assert gguf_file.tensor_info("token_embd.weight").shape == (info["n_vocab"], n_embd)
     assert gguf_file.tensor_info("blk.0.attn_q.weight").shape == (info["n_head"] * head_dim, n_embd)
-    assert gguf_file.tensor_info("blk.0.attn_k.weight").shape == (info["n_head_kv"] * head_dim, n_embd)
+    assert gguf_file.tensor_info("blk.0.attn_k.weight").shape == (info["layer_kv_heads"][0] * head_dim, n_embd)
     assert gguf_file.tensor_info("blk.0.attn_output.weight").shape == (n_embd, info["n_head"] * head_dim)
     last = info["n_layer"] - 1
     assert gguf_file.has_tensor(f"blk.{last}.ffn_norm.weight")
@@ -65,7 +66,7 @@ def test_tensor_shapes_are_numpy_order(written: dict, arch: str) -> None:
     # every tensor the architecture declares (and only those) was written, in its shape
     model = load_model(gguf_file)
     declared = {f"blk.{i}.{t.name}": t.shape for i in range(info["n_layer"])
-                for t in model.layer_tensors(model.hp, i) if not t.optional}
+                for t in model.layer_tensors(model.hp, i) if not t.optional or t.name in info.get("write_optional", ())}
     assert {n: s for n, s in info["tensor_shapes"].items() if n.startswith("blk.")} == declared
 
 

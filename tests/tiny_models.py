@@ -31,7 +31,7 @@ import gguf
 import numpy as np
 
 from worker.engine.archs import ARCHITECTURES
-from worker.engine.model import DENSE, NORM, HParams
+from worker.engine.model import DENSE, FACTORS, MATRIX, NORM, HParams, LayerShape
 
 ARCHS = tuple(ARCHITECTURES)
 
@@ -84,6 +84,45 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 # As qwen3 (head_dim 32, per-head Q/K norms, base 1e6, tied), over six layers: the first five
 # slide over 4 positions (within the fixtures' 40 tokens, so the window shows), the last is global.
 _DEFAULTS["gemma3"] = {**_DEFAULTS["qwen3"], "n_layer": 6, "vocab": "smollm2", "sliding_window": 4}
+# The 26B-A4B's layout in small: sliding layers (window 4) of 2 KV heads × 32 with base 1e4,
+# global layers (the 3rd and 6th) of 1 KV head × 64 with no V projection (K = V), base 1e6 and
+# a quarter of their pairs rotated; every layer's FFN a dense GELU FFN plus 8 experts (2 routed,
+# gate and up fused, per-expert scales); a scale on each layer's output.
+_DEFAULTS["gemma4"] = {
+    "n_layer": 6,
+    "n_embd": 64,
+    "n_head": 4,
+    "n_head_kv": 2,
+    "head_dim": 64,
+    "head_dim_swa": 32,
+    "n_head_kv_global": 1,
+    "swa_pattern": (True, True, False, True, True, False),
+    "sliding_window": 4,
+    "n_ff": 128,
+    "n_expert": 8,
+    "n_expert_used": 2,
+    "n_ff_exp": 32,
+    "rope_base": 1e6,
+    "rope_base_swa": 1e4,
+    "rms_eps": 1e-6,
+    "context_length": 256,
+    "tied": True,
+    "vocab": "smollm2",
+    "n_embd_per_layer": 0,
+    "shared_kv_layers": 0,
+    "write_optional": ("layer_output_scale.weight", "ffn_gate_up_exps.weight", "ffn_down_exps.scale"),
+}
+
+# Variants with logit fixtures of their own: name -> (architecture, overrides). gemma4_e is the
+# E2B/E4B layout in small: no experts, per-layer token embeddings of width 8, and the last two
+# layers reading the KV of the last sliding (layer 2) and global (layer 3) layers before them.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma4_e": ("gemma4", {"n_expert": 0, "n_embd_per_layer": 8, "shared_kv_layers": 2,
+                            "swa_pattern": (True, True, True, False, True, False),
+                            "write_optional": ("layer_output_scale.weight",)}),
+}
+# every logit fixture of a tiny model: its name -> (architecture, overrides)
+TINY_FIXTURES = {**{arch: (arch, {}) for arch in ARCHS}, **VARIANTS}
 
 _COMMON_OVERRIDES = {"tensor_type", "name"}
 
@@ -192,6 +231,34 @@ class _TensorSink:
             self._writer.add_tensor(name, encoded, raw_dtype=self._qtype)
 
 
+def _layer_shapes(hp: dict[str, Any]) -> tuple[LayerShape, ...]:
+    """Per-layer geometry of the families whose layers differ (gemma4), as its file says it."""
+    if "swa_pattern" not in hp:
+        return ()
+    local = list(hp["swa_pattern"])
+    first_shared = hp["n_layer"] - hp["shared_kv_layers"]
+    shapes = []
+    for i, is_local in enumerate(local):
+        source = None
+        if i >= first_shared:
+            source = first_shared - 2 if is_local == local[first_shared - 2] else first_shared - 1
+        shapes.append(LayerShape(hp["n_head_kv"] if is_local else hp["n_head_kv_global"],
+                                 hp["head_dim_swa"] if is_local else hp["head_dim"], is_local, source))
+    return tuple(shapes)
+
+
+def _add_gemma4_keys(writer: gguf.GGUFWriter, hp: dict[str, Any], shapes: tuple[LayerShape, ...]) -> None:
+    arch = "gemma4"
+    writer.add_array(f"{arch}.attention.sliding_window_pattern", [bool(v) for v in hp["swa_pattern"]])
+    writer.add_uint32(f"{arch}.attention.key_length_swa", hp["head_dim_swa"])
+    writer.add_uint32(f"{arch}.attention.value_length_swa", hp["head_dim_swa"])
+    writer.add_uint32(f"{arch}.rope.dimension_count_swa", hp["head_dim_swa"])
+    writer.add_float32(f"{arch}.rope.freq_base_swa", float(hp["rope_base_swa"]))
+    writer.add_uint32(f"{arch}.embedding_length_per_layer_input", hp["n_embd_per_layer"])
+    if hp["shared_kv_layers"]:
+        writer.add_uint32(f"{arch}.attention.shared_kv_layers", hp["shared_kv_layers"])
+
+
 def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrides: Any) -> dict:
     """Write a tiny random-weight GGUF of ``arch`` to ``path`` and describe it.
 
@@ -215,7 +282,8 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
     writer.add_embedding_length(n_embd)
     writer.add_feed_forward_length(hp["n_ff"])
     writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_head_kv)
+    shapes = _layer_shapes(hp)
+    writer.add_head_count_kv([shape.n_head_kv for shape in shapes] if shapes else n_head_kv)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(hp["rope_base"]))
@@ -227,6 +295,8 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
         writer.add_expert_count(hp["n_expert"])
         writer.add_expert_used_count(hp["n_expert_used"])
         writer.add_expert_feed_forward_length(hp["n_ff_exp"])
+    if arch == "gemma4":
+        _add_gemma4_keys(writer, hp, shapes)
     _add_tokenizer_keys(writer, vocab)
 
     rng = np.random.default_rng(seed)
@@ -247,10 +317,21 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
         n_vocab=n_vocab, n_embd=n_embd, n_layer=hp["n_layer"], n_head=n_head, n_head_kv=n_head_kv,
         head_dim=head_dim, value_dim=head_dim, n_ff=hp["n_ff"], context_length=hp["context_length"],
         rope_base=float(hp["rope_base"]), rope_dims=head_dim, rope_freq_scale=1.0, rms_eps=float(hp["rms_eps"]),
-        n_expert=hp.get("n_expert", 0), n_expert_used=hp.get("n_expert_used", 0), n_ff_expert=hp.get("n_ff_exp", 0))
+        n_expert=hp.get("n_expert", 0), n_expert_used=hp.get("n_expert_used", 0), n_ff_expert=hp.get("n_ff_exp", 0),
+        layers=shapes, n_embd_per_layer=hp.get("n_embd_per_layer", 0))
+    written_optional = set(hp.get("write_optional", ()))
+    for tensor in ARCHITECTURES[arch].global_tensors(declared):
+        if tensor.kind == FACTORS:  # "proportional" RoPE: the first quarter of the pairs rotate
+            rotated = tensor.shape[0] // 4
+            value = np.where(np.arange(tensor.shape[0]) < rotated, 1.0, 1e30).astype(np.float32)
+        elif tensor.kind == NORM:
+            value = norm_weight(tensor.shape[0])
+        else:
+            value = normal(tensor.shape, 1.0 / np.sqrt(tensor.shape[-1]))
+        sink.add(tensor.name, value, keep_f32=tensor.kind != MATRIX)
     for layer in range(hp["n_layer"]):
         for tensor in ARCHITECTURES[arch].layer_tensors(declared, layer):
-            if tensor.optional:
+            if tensor.optional and tensor.name not in written_optional:
                 continue
             if tensor.kind == NORM:
                 value = norm_weight(tensor.shape[0])
@@ -272,7 +353,10 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
     writer.close()
 
     info: dict[str, Any] = {"arch": arch, "seed": seed, "name": name, "path": os.fspath(path),
-                            "n_vocab": n_vocab, **hp, "tensor_shapes": sink.shapes}
+                            "n_vocab": n_vocab, **hp, "tensor_shapes": sink.shapes,
+                            # each layer's KV heads and head size (all alike but in gemma4)
+                            "layer_kv_heads": [declared.layer(i).n_head_kv for i in range(hp["n_layer"])],
+                            "layer_head_dims": [declared.layer(i).head_dim for i in range(hp["n_layer"])]}
     if not is_moe:
         for key in ("n_expert", "n_expert_used", "n_ff_exp"):
             info.setdefault(key, 0)

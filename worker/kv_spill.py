@@ -60,8 +60,7 @@ class KVSpiller:
             return resident
         available = self.store.present(usable)
         length = resident
-        k_shape = (cache.n_layer, cache.n_kv_head, self.chunk_tokens, cache.head_dim)
-        v_shape = (cache.n_layer, cache.n_kv_head, self.chunk_tokens, cache.value_dim)
+        k_shape, v_shape = cache.chunk_shapes(self.chunk_tokens)
         for index in range(first, available):
             record = self.store.get(usable[index])
             if record is None:

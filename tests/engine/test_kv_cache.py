@@ -105,3 +105,40 @@ def test_a_growing_cache_holds_its_old_block_and_one_new_layer_not_both_blocks()
     # 135 MiB of keys and values are held before and after; a layer of them is 4.5 MiB. Holding
     # the old block and the new one together would raise the peak by about 135 MiB.
     assert grew < 16, f"the peak rose by {grew:.0f} MiB while the cache grew"
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+def test_layers_of_their_own_shapes_grow_export_and_restore(kv_type):
+    """A cache whose layers differ (gemma4: sliding layers of 2 heads × 16, global ones of
+    1 head × 32) keeps each layer's positions through growth, and its chunks go out and back."""
+    shapes = [(2, 16, 16), (1, 32, 32), (2, 16, 16)]
+    cache = KVCache(3, 2, 32, 1024, kv_type=kv_type, layers=shapes)
+    itemsize = 2 if kv_type == "f16" else 4
+    assert cache.bytes_per_token == (2 * 32 + 64 + 2 * 32) * itemsize
+    rng = np.random.default_rng(3)
+    written = {}
+    for step in (200, 100):  # the second step grows the cache past its first block
+        cache.reserve(step)
+        for layer, (heads, d, dv) in enumerate(shapes):
+            k = rng.standard_normal((step, heads, d)).astype(np.float32)
+            v = rng.standard_normal((step, heads, dv)).astype(np.float32)
+            cache.write(layer, k, v)
+            written.setdefault(layer, []).append((k, v))
+        cache.commit(list(range(cache.length, cache.length + step)))
+    assert cache.capacity == 512 and cache.length == 300
+    for layer in range(3):
+        k = np.concatenate([k for k, _ in written[layer]]).transpose(1, 0, 2).astype(cache.dtype)
+        np.testing.assert_array_equal(cache.keys[layer][:, :300], k)
+    keys, values = cache.export(100, 50)
+    assert (keys.shape, values.shape) == cache.chunk_shapes(50) == (((2 * 16 + 32 + 2 * 16) * 50,),) * 2
+    other = KVCache(3, 2, 32, 1024, kv_type=kv_type, layers=shapes)
+    other.reserve(100)
+    for layer in range(3):
+        other.write(layer, *(a[:100] for a in written[layer][0]))
+    other.commit(list(range(100)))
+    other.restore(100, keys, values, list(range(100, 150)))
+    for layer in range(3):
+        np.testing.assert_array_equal(other.keys[layer][:, :150], cache.keys[layer][:, :150])
+        np.testing.assert_array_equal(other.values[layer][:, :150], cache.values[layer][:, :150])
+    with pytest.raises(ValueError):
+        other.restore(150, keys[:-1], values, list(range(150, 200)))

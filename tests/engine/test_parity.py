@@ -21,8 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tiny_models import ARCHS, write_tiny_gguf
+from tiny_models import ARCHS, TINY_FIXTURES, write_tiny_gguf
 
+from worker.engine import kernels
 from worker.engine.archs import load_model
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.ops import log_softmax
@@ -66,24 +67,28 @@ KV_TOLERANCE = {"f32": 1e-3, "f16": 1e-2}
 # llama.cpp computes GELU through a table indexed by the input rounded to f16, holding f16
 # values; this engine computes it in f32. On the GELU families that alone moves the logits by
 # about 1e-3 (measured on gemma3_tiny: 0.0030 max |Δlogit| with an f32 cache, every top-1 the
-# same; emulating the table halves it), so they get this much more room.
-GELU_TABLE_SLACK = {"silu": 0.0, "gelu_tanh": 4e-3}
+# same; emulating the table halves it). gemma4_tiny, with GELU in its experts too: 0.0063, and
+# 0.0015 with the table emulated; gemma4_e_tiny, with GELU on its per-layer inputs too: 0.0101,
+# and 0.0006 emulated. So they get this much more room.
+GELU_TABLE_SLACK = {"gemma3": 4e-3, "gemma4": 7e-3, "gemma4_e": 1.2e-2}
 
 
 @pytest.mark.parametrize("kv_type", sorted(KV_TOLERANCE))
-@pytest.mark.parametrize("arch", ARCHS)
-def test_tiny_model_logits_match_llama_cpp(arch, kv_type, tmp_path):
-    fixture = _fixture(f"{arch}_tiny")
+@pytest.mark.parametrize("name", TINY_FIXTURES)
+def test_tiny_model_logits_match_llama_cpp(name, kv_type, tmp_path):
+    fixture = _fixture(f"{name}_tiny")
     rebuild = fixture["meta"]["model"]
-    path = tmp_path / f"{arch}.gguf"
-    write_tiny_gguf(path, rebuild.get("arch", arch), seed=rebuild.get("seed", 0), **rebuild.get("overrides", {}))
+    arch, overrides = TINY_FIXTURES[name]
+    assert rebuild.get("overrides", {}) == json.loads(json.dumps(overrides)), "regenerate the fixture"
+    path = tmp_path / f"{name}.gguf"
+    write_tiny_gguf(path, arch, seed=rebuild.get("seed", 0), **overrides)
     model = load_model(GGUFFile(path), kv_type=kv_type)
-    tolerance = KV_TOLERANCE[kv_type] + GELU_TABLE_SLACK[model.activation]
+    tolerance = KV_TOLERANCE[kv_type] + GELU_TABLE_SLACK.get(name, 0.0)
     n = len(fixture["tokens"])
     # all at once, then in uneven chunks through the KV cache: both must match
     for chunks in ([n], [7, 1, 13, n - 21]):
         max_logit, max_logprob = _compare(model, fixture, chunks)
-        assert max_logit < tolerance, f"{arch}: max |Δlogit| {max_logit}"
+        assert max_logit < tolerance, f"{name}: max |Δlogit| {max_logit}"
         assert max_logprob < tolerance
 
 
@@ -172,8 +177,12 @@ def test_compiled_block_steps_match_the_step_by_step_path(arch, tmp_path):
     path = tmp_path / f"{arch}.gguf"
     write_tiny_gguf(path, rebuild.get("arch", arch), seed=rebuild.get("seed", 0), **rebuild.get("overrides", {}))
     compiled, stepwise = load_model(GGUFFile(path)), load_model(GGUFFile(path))
-    if not all(compiled.fused):
+    if not kernels.available():
         pytest.skip("the compiled block steps need AVX2, FMA and F16C")
+    if arch == "gemma4":  # by design: its layers differ in shape and it norms V without weight
+        assert not any(compiled.fused)
+        return
+    assert all(compiled.fused)
     stepwise.fused = [None] * len(stepwise.fused)
     tokens = fixture["tokens"].tolist()
     ours = compiled.forward([(compiled.new_cache(len(tokens)), tokens)], all_logits=True)[0]

@@ -109,3 +109,30 @@ def test_a_prompt_is_spilled_chunk_by_chunk_as_it_is_read(engine, tmp_path):
     assert store.present(keys) == 8
     assert spiller.stats.chunks_dropped == 0  # spilled at the end, six of the eight would not fit
     spiller.close()
+
+
+@pytest.mark.parametrize("variant", ["gemma4", "gemma4_e"])
+def test_layers_of_different_shapes_spill_and_restore(variant, tmp_path):
+    """gemma4's sliding and global layers keep KV of different shapes (and gemma4_e's last
+    layers none of their own): a restored chunk gives the logits of recomputing all the same."""
+    from tiny_models import TINY_FIXTURES, write_tiny_gguf
+
+    arch, overrides = TINY_FIXTURES[variant]
+    path = tmp_path / f"{variant}.gguf"
+    write_tiny_gguf(path, arch, **overrides)
+    engine = Engine.load(str(path))
+    model = engine.model
+    cache = model.new_cache(128)
+    assert not cache.uniform
+    spiller = KVSpiller(DirectoryStore(tmp_path / "kv", 1 << 30), engine.fingerprint, chunk_tokens=16)
+    prompt = list(range(300, 350))
+    engine.prefill(cache, prompt)
+    assert spiller.spill(cache) == 3
+    assert spiller.flush()
+    restored = model.new_cache(128)
+    follow_up = prompt + [7, 8]
+    assert spiller.restore(restored, follow_up, resident=0) == 48
+    ours = model.forward([(restored, follow_up[48:])], all_logits=True)[0]
+    reference = model.forward([(model.new_cache(128), follow_up)], all_logits=True)[0][48:]
+    np.testing.assert_array_equal(ours, reference)
+    spiller.close()

@@ -16,6 +16,7 @@ import mmap
 
 import numpy as np
 
+from worker.engine import kernels
 from worker.engine.kernels import attention
 
 GROWTH_BLOCK = 256  # tokens added per growth step
@@ -23,40 +24,61 @@ KV_TYPES = {"f16": np.float16, "f32": np.float32}
 
 
 class KVCache:
-    """keys[l], values[l]: [K, capacity, d] of ``dtype`` (views of one [L, K, capacity, d] block
-    each); the first ``length`` positions are valid."""
+    """keys[l], values[l]: [K, capacity, d] of ``dtype``; the first ``length`` positions are valid.
+
+    Every layer has the same K, d and dv unless ``layers`` gives each its own (K, d, dv), as in
+    families that mix sliding-window layers with global ones of another shape. Layers of one
+    shape are views of one [L, K, capacity, d] block of keys and one of values."""
 
     def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, max_tokens: int,
-                 value_dim: int | None = None, kv_type: str = "f16"):
+                 value_dim: int | None = None, kv_type: str = "f16",
+                 layers: list[tuple[int, int, int]] | None = None):
+        # the compiled attention over a cache is a parallel kernel: numba's pool must be running
+        # before one loaded from the disk cache is called (numba issue 8578)
+        kernels.start_threads()
         self.kv_type = kv_type
         self.dtype = np.dtype(KV_TYPES[kv_type])
         self.n_layer = n_layer
         self.n_kv_head = n_kv_head
         self.head_dim = head_dim
         self.value_dim = value_dim or head_dim
+        self.geometry = [tuple(g) for g in layers] if layers else [(n_kv_head, head_dim, self.value_dim)] * n_layer
+        if len(self.geometry) != n_layer:
+            raise ValueError(f"{len(self.geometry)} layer shapes given for {n_layer} layers")
+        self.uniform = len(set(self.geometry)) == 1
+        # layers of one shape share a block: shape -> the layers in it, in order
+        self._groups: dict[tuple[int, int, int], list[int]] = {}
+        for layer, shape in enumerate(self.geometry):
+            self._groups.setdefault(shape, []).append(layer)
         self.max_tokens = max_tokens
         self.length = 0
         self.tokens: list[int] = []  # the token ids whose keys/values are held
         self.capacity = 0
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
-        self._blocks: tuple[np.ndarray, np.ndarray] | None = None  # [L, K, capacity, d] keys, values
+        self._blocks: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}  # shape -> keys, values
 
     def _grow(self, needed: int) -> None:
         if needed > self.max_tokens:
             raise ValueError(f"KV cache holds at most {self.max_tokens} tokens, {needed} needed")
         new_capacity = min(self.max_tokens, -(-needed // GROWTH_BLOCK) * GROWTH_BLOCK)
-        shape = (self.n_layer, self.n_kv_head, new_capacity)
-        keys = mapped_block(shape + (self.head_dim,), self.dtype)
-        values = mapped_block(shape + (self.value_dim,), self.dtype)
-        if self._blocks is not None:  # copy the valid prefix, giving back each old layer once copied
-            for layer in range(self.n_layer):
-                keys[layer, :, :self.length] = self.keys[layer][:, :self.length]
-                values[layer, :, :self.length] = self.values[layer][:, :self.length]
-                for block in self._blocks:
-                    release_pages(block, layer)
-        self._blocks = keys, values
-        self.keys, self.values = list(keys), list(values)
+        keys_of: list[np.ndarray] = [np.empty(0)] * self.n_layer
+        values_of: list[np.ndarray] = [np.empty(0)] * self.n_layer
+        blocks = {}
+        for (n_kv, d, dv), members in self._groups.items():
+            shape = (len(members), n_kv, new_capacity)
+            keys, values = mapped_block(shape + (d,), self.dtype), mapped_block(shape + (dv,), self.dtype)
+            old = self._blocks.get((n_kv, d, dv))
+            for index, layer in enumerate(members):
+                if old is not None:  # copy the valid prefix, giving back each old layer once copied
+                    keys[index, :, :self.length] = self.keys[layer][:, :self.length]
+                    values[index, :, :self.length] = self.values[layer][:, :self.length]
+                    for block in old:
+                        release_pages(block, index)
+                keys_of[layer], values_of[layer] = keys[index], values[index]
+            blocks[(n_kv, d, dv)] = keys, values
+        self._blocks = blocks
+        self.keys, self.values = keys_of, values_of
         self.capacity = new_capacity
 
     def reserve(self, n_new: int) -> None:
@@ -105,31 +127,50 @@ class KVCache:
         mismatch = np.nonzero(held != wanted)[0]
         return int(mismatch[0]) if mismatch.size else limit
 
+    def chunk_shapes(self, count: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes ``export`` gives ``count`` positions: [L, K, n, d] and [L, K, n, dv] when
+        every layer has one shape, else each layer's [K, n, d] flattened in turn."""
+        if self.uniform:
+            n_kv, d, dv = self.geometry[0]
+            return (self.n_layer, n_kv, count, d), (self.n_layer, n_kv, count, dv)
+        return ((sum(k * d for k, d, _ in self.geometry) * count,),
+                (sum(k * dv for k, _, dv in self.geometry) * count,))
+
     def export(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of positions [start, start+count) of every layer, in the cache's dtype:
-        keys [L, K, n, d], values [L, K, n, dv]."""
+        """Copies of positions [start, start+count) of every layer, in the cache's dtype, in
+        the shapes of ``chunk_shapes``."""
         end = start + count
         if end > self.length:
             raise ValueError(f"positions up to {end} asked for, {self.length} held")
-        return (np.stack([k[:, start:end] for k in self.keys]),
-                np.stack([v[:, start:end] for v in self.values]))
+        if self.uniform:
+            return (np.stack([k[:, start:end] for k in self.keys]),
+                    np.stack([v[:, start:end] for v in self.values]))
+        return (np.concatenate([k[:, start:end].ravel() for k in self.keys]),
+                np.concatenate([v[:, start:end].ravel() for v in self.values]))
 
     def restore(self, start: int, keys: np.ndarray, values: np.ndarray, token_ids: list[int]) -> None:
         """Put positions [start, start+n) back from ``export``-shaped arrays; they become valid
         and everything after them is forgotten."""
-        count = keys.shape[2]
-        if start > self.length or len(token_ids) != count:
+        count = len(token_ids)
+        if start > self.length or (keys.shape, values.shape) != self.chunk_shapes(count):
             raise ValueError("a restored run must continue the valid prefix, one id per position")
         self.truncate(start)
         self.reserve(count)
-        for layer in range(self.n_layer):
-            self.keys[layer][:, start:start + count] = keys[layer]
-            self.values[layer][:, start:start + count] = values[layer]
+        k_at = v_at = 0
+        for layer, (n_kv, d, dv) in enumerate(self.geometry):
+            if self.uniform:
+                k_part, v_part = keys[layer], values[layer]
+            else:
+                k_part = keys[k_at:k_at + n_kv * count * d].reshape(n_kv, count, d)
+                v_part = values[v_at:v_at + n_kv * count * dv].reshape(n_kv, count, dv)
+                k_at, v_at = k_at + k_part.size, v_at + v_part.size
+            self.keys[layer][:, start:start + count] = k_part
+            self.values[layer][:, start:start + count] = v_part
         self.commit(token_ids)
 
     @property
     def bytes_per_token(self) -> int:
-        return self.n_layer * self.n_kv_head * (self.head_dim + self.value_dim) * self.dtype.itemsize
+        return sum(k * (d + dv) for k, d, dv in self.geometry) * self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:

@@ -101,4 +101,6 @@ def _fingerprint(gguf: GGUFFile, model: DecoderModel) -> str:
         digest.update(fh.read(1 << 20))
     digest.update(f"{model.architecture}:{hp.n_layer}:{hp.n_head_kv}:{hp.head_dim}:{hp.value_dim}:"
                   f"{model.kv_type}:rope-v2".encode())
+    if hp.layers:  # layers of their own shapes (gemma4)
+        digest.update(repr(hp.layers).encode())
     return digest.hexdigest()[:32]

@@ -28,6 +28,19 @@ from worker.engine.weights import MatmulInput, QuantizedWeight, Weight
 
 
 @dataclass(frozen=True)
+class LayerShape:
+    """A layer's own attention geometry, in families where layers differ: its KV heads, head
+    size, whether it slides over a window, and the earlier layer whose KV it reads instead of
+    keeping its own (None: its own)."""
+
+    n_head_kv: int
+    head_dim: int
+    local: bool = False
+    kv_from: int | None = None
+    n_ff: int = 0  # its FFN's width (0: the model's)
+
+
+@dataclass(frozen=True)
 class HParams:
     n_vocab: int
     n_embd: int
@@ -45,10 +58,17 @@ class HParams:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_expert: int = 0
+    layers: tuple[LayerShape, ...] = ()  # per-layer geometry where layers differ; () where they do not
+    n_embd_per_layer: int = 0  # width of per-layer token embeddings (0: none)
+
+    def layer(self, i: int) -> LayerShape:
+        return self.layers[i] if self.layers else LayerShape(self.n_head_kv, self.head_dim)
 
 
-def read_hparams(gguf: GGUFFile, arch: str) -> HParams:
-    """The hyperparameters every family shares, with llama.cpp's defaults where a key is absent."""
+def read_hparams(gguf: GGUFFile, arch: str, per_layer: frozenset[str] = frozenset()) -> HParams:
+    """The hyperparameters every family shares, with llama.cpp's defaults where a key is absent.
+    Keys in ``per_layer`` may hold one value per layer (the family reads them itself); the
+    value kept here is their largest."""
     meta = gguf.metadata
 
     def get(key: str, default: Any = None, required: bool = False) -> Any:
@@ -57,8 +77,10 @@ def read_hparams(gguf: GGUFFile, arch: str) -> HParams:
             raise ModelLoadError(f"{gguf.path} lacks the required key {arch}.{key}")
         return value
 
-    def scalar(value: Any) -> Any:
-        # per-layer arrays are allowed by the format; these families use one value for all layers
+    def scalar(value: Any, key: str = "") -> Any:
+        # per-layer arrays are allowed by the format; most families use one value for all layers
+        if isinstance(value, list) and key in per_layer:
+            return max(value)
         if isinstance(value, list):
             if len(set(value)) != 1:
                 raise ModelLoadError(f"{gguf.path}: per-layer values {value[:8]}… are not supported")
@@ -67,11 +89,11 @@ def read_hparams(gguf: GGUFFile, arch: str) -> HParams:
 
     n_embd = int(get("embedding_length", required=True))
     n_head = int(scalar(get("attention.head_count", required=True)))
-    n_head_kv = int(scalar(get("attention.head_count_kv", n_head)))
+    n_head_kv = int(scalar(get("attention.head_count_kv", n_head), "attention.head_count_kv"))
     head_dim = int(get("attention.key_length", n_embd // n_head))
     tokens = meta.get("tokenizer.ggml.tokens")
     n_vocab = int(get("vocab_size", len(tokens) if tokens else 0))
-    if n_head % n_head_kv:
+    if n_head % n_head_kv and "attention.head_count_kv" not in per_layer:
         raise ModelLoadError(f"{gguf.path}: {n_head} query heads do not split into {n_head_kv} KV heads")
     scaling_factor = float(get("rope.scaling.factor", 0.0) or 0.0)
     return HParams(
@@ -82,7 +104,7 @@ def read_hparams(gguf: GGUFFile, arch: str) -> HParams:
         n_head_kv=n_head_kv,
         head_dim=head_dim,
         value_dim=int(get("attention.value_length", head_dim)),
-        n_ff=int(scalar(get("feed_forward_length", 0))),
+        n_ff=int(scalar(get("feed_forward_length", 0), "feed_forward_length")),
         context_length=int(get("context_length", 4096)),
         rope_base=float(get("rope.freq_base", 10000.0)),
         rope_dims=int(get("rope.dimension_count", head_dim)),
@@ -99,6 +121,7 @@ MATRIX = "matrix"  # a weight matrix, held in the file's blocks (dequantized in 
 DENSE = "dense"  # a small matrix read as float32 (a router)
 NORM = "norm"  # a norm's weight vector, float32
 BIAS = "bias"  # a bias vector, float32
+FACTORS = "factors"  # RoPE's per-pair frequency factors, float32 (read as the model's rope_factors)
 
 
 @dataclass(frozen=True)
@@ -148,6 +171,7 @@ class ForwardPass:
     caches: list[KVCache]
     spans: list[tuple[int, int]]  # row range of each sequence in the stacked [T, D] input
     rope: list[tuple[np.ndarray, np.ndarray, bool]]  # per layer: cos, sin [T, dims/2] of every row; adjacent
+    layer_inputs: Any = None  # what ``layer_inputs`` gave for these rows
 
 
 @dataclass(frozen=True)
@@ -192,6 +216,7 @@ class DecoderModel:
         self.output = (self.load_weight(gguf, "output.weight", self.token_embd.shape)
                        if gguf.has_tensor("output.weight") else self.token_embd)
         self.layers = [self.load_layer(gguf, i) for i in range(self.hp.n_layer)]
+        self.load_globals(gguf)
         self.fused = [self.fused_layer(layer) for layer in self.layers]
         self.rope_factors = self.rope_freq_factors(gguf)
         self.attention_options = [self.attention(i) for i in range(self.hp.n_layer)]
@@ -232,6 +257,17 @@ class DecoderModel:
         """One layer on the stacked rows x [T, D]; the default is ``dense_block``."""
         return self.dense_block(i, x, fp)
 
+    @classmethod
+    def global_tensors(cls, hp: HParams) -> list[LayerTensor]:
+        """Tensors outside the layers beyond the embedding, output norm and head (full GGUF
+        names); each is loaded as the model's attribute of its key."""
+        return []
+
+    def layer_inputs(self, token_ids: np.ndarray, x: np.ndarray) -> Any:
+        """What every block of a forward pass gets besides x (``ForwardPass.layer_inputs``),
+        from the pass's token ids and embedded rows; the default is nothing."""
+        return None
+
     def rope_freq_factors(self, gguf: GGUFFile) -> np.ndarray | None:
         return gguf.tensor("rope_freqs.weight") if gguf.has_tensor("rope_freqs.weight") else None
 
@@ -271,6 +307,13 @@ class DecoderModel:
                 LayerTensor("down_exps", "ffn_down_exps.weight", (n, d, f))]
 
     # --- loading what was declared -----------------------------------------------------------
+
+    def load_globals(self, gguf: GGUFFile) -> None:
+        for t in self.global_tensors(self.hp):
+            if t.kind == MATRIX:
+                setattr(self, t.key, self.load_weight(gguf, t.name, t.shape))
+            elif t.kind != FACTORS and (gguf.has_tensor(t.name) or not t.optional):
+                setattr(self, t.key, gguf.tensor(t.name, t.shape))
 
     def load_weight(self, gguf: GGUFFile, name: str, shape: tuple[int, ...]) -> Weight:
         return gguf.weight(name, shape, dense=self.exact)
@@ -400,8 +443,13 @@ class DecoderModel:
     # --- the forward pass ------------------------------------------------------------------------
 
     def new_cache(self, max_tokens: int) -> KVCache:
+        """A cache for every layer that keeps KV of its own, each in its layer's shape."""
         hp = self.hp
-        return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, max_tokens, hp.value_dim, self.kv_type)
+        if not hp.layers:
+            return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, max_tokens, hp.value_dim, self.kv_type)
+        own = [shape for shape in hp.layers if shape.kv_from is None]
+        return KVCache(len(own), hp.n_head_kv, hp.head_dim, max_tokens, hp.value_dim, self.kv_type,
+                       layers=[(shape.n_head_kv, shape.head_dim, shape.head_dim) for shape in own])
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         return self.token_embd.rows(token_ids)
@@ -429,7 +477,9 @@ class DecoderModel:
         positions = np.concatenate(positions)
         tables = [(*ops.rope_cos_sin(positions, inv_freq), adjacent) for inv_freq, adjacent in self.rope_tables]
         fp = ForwardPass([c for c, _ in steps], spans, [tables[t] for t in self.layer_rope])
-        x = self.embed(np.asarray(token_ids, dtype=np.int64))
+        ids = np.asarray(token_ids, dtype=np.int64)
+        x = self.embed(ids)
+        fp.layer_inputs = self.layer_inputs(ids, x)
         for i in range(self.hp.n_layer):
             x = self.block(i, x, fp)
         for cache, tokens in steps:
@@ -448,6 +498,7 @@ class DecoderModel:
     def weight_bytes(self) -> int:
         """Bytes of the weights as held: in the file's blocks, or float32 where dequantized."""
         held = [self.token_embd, self.output_norm] + ([self.output] if self.output is not self.token_embd else [])
+        held += [getattr(self, t.key) for t in self.global_tensors(self.hp) if hasattr(self, t.key)]
         for layer in self.layers:
             for value in layer.values():
                 held.extend(value if isinstance(value, list) else [value])

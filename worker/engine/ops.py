@@ -8,6 +8,7 @@ H query heads, K key/value heads, G = H // K query heads per KV head, d head dim
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -203,17 +204,18 @@ def moe_route_softmax_topk(router_logits: np.ndarray, n_used: int,
     return top, weights
 
 
-def moe_swiglu(x: np.ndarray, experts: np.ndarray, weights: np.ndarray,
-               gate_exps: Weight, up_exps: Weight, down_exps: Weight) -> np.ndarray:
-    """Weighted sum of the chosen experts' SwiGLU outputs.
+def moe_gated_ffn(x: np.ndarray, experts: np.ndarray, weights: np.ndarray,
+                  expert_weights: Callable[[int], tuple[Weight, Weight, Weight]],
+                  activation: str = "silu") -> np.ndarray:
+    """Weighted sum of the chosen experts' gated FFN outputs.
 
-    x [T, D]; experts/weights [T, k]; gate_exps, up_exps [E, F, D]; down_exps [E, D, F].
-    Loops over the experts in use (not over tokens): each runs once on its rows, and only
-    their blocks of the stacks are read.
+    x [T, D]; experts/weights [T, k]; ``expert_weights(e)`` gives expert e's gate, up [F, D] and
+    down [D, F]. Loops over the experts in use (not over tokens): each runs once on its rows,
+    and only their blocks of the stacks are read.
     """
     out = np.zeros_like(x)
     for expert in np.unique(experts):
         rows, slot = np.nonzero(experts == expert)
-        y = gated_ffn(x[rows], gate_exps.expert(expert), up_exps.expert(expert), down_exps.expert(expert))
+        y = gated_ffn(x[rows], *expert_weights(int(expert)), activation)
         np.add.at(out, rows, y * weights[rows, slot][:, None])
     return out

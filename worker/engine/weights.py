@@ -89,6 +89,10 @@ class QuantizedWeight:
     def expert(self, e: int) -> QuantizedWeight:
         return QuantizedWeight(self.qtype, self.shape[1:], self.data[e])
 
+    def row_range(self, start: int, stop: int) -> QuantizedWeight:
+        """Output rows [start, stop) of a 2-D weight (one half of a fused gate and up)."""
+        return QuantizedWeight(self.qtype, (stop - start, self.shape[1]), self.data[start:stop])
+
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows ``ids`` of a 2-D weight as float32 [len(ids), n_in] (an embedding lookup)."""
         raw = self.data[np.asarray(ids)]
@@ -120,6 +124,9 @@ class DenseWeight:
 
     def expert(self, e: int) -> DenseWeight:
         return DenseWeight(self.values[e])
+
+    def row_range(self, start: int, stop: int) -> DenseWeight:
+        return DenseWeight(self.values[start:stop])
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         return self.values[np.asarray(ids)]

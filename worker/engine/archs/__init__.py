@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from shared.errors import ModelLoadError
 from worker.engine.archs.gemma3 import Gemma3Model
+from worker.engine.archs.gemma4 import Gemma4Model
 from worker.engine.archs.llama import LlamaModel
 from worker.engine.archs.qwen3 import Qwen3Model
 from worker.engine.archs.qwen3moe import Qwen3MoeModel
@@ -12,6 +13,7 @@ from worker.engine.model import DecoderModel
 
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "gemma3": Gemma3Model,
+    "gemma4": Gemma4Model,
     "llama": LlamaModel,
     "qwen3": Qwen3Model,
     "qwen3moe": Qwen3MoeModel,

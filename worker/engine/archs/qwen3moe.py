@@ -37,4 +37,5 @@ class Qwen3MoeModel(DecoderModel):
         x = self.attention_half(i, x, fp)
         h = ops.rms_norm(x, layer["ffn_norm"], eps)
         experts, weights = ops.moe_route_softmax_topk(h @ layer["router"].T, self.hp.n_expert_used, True)
-        return x + ops.moe_swiglu(h, experts, weights, layer["gate_exps"], layer["up_exps"], layer["down_exps"])
+        gate, up, down = layer["gate_exps"], layer["up_exps"], layer["down_exps"]
+        return x + ops.moe_gated_ffn(h, experts, weights, lambda e: (gate.expert(e), up.expert(e), down.expert(e)))
