@@ -5,8 +5,9 @@ Run with a Python that has llama-cpp-python, gguf and tokenizers (not lmserve's 
     /work/peer-venv/bin/python scripts/regen_tokenizer_fixtures.py
 
 For each vocabulary — SmolLM2 (pre ``smollm``, the real default model file), Qwen3 (pre
-``qwen2``, a vocab-only GGUF built by tests/qwen_vocab.py) and Gemma 3 (SentencePiece, the real
-gemma-3-270m file) — the fixture records llama.cpp's
+``qwen2``, a vocab-only GGUF built by tests/qwen_vocab.py), Gemma 3 (SentencePiece, the real
+gemma-3-270m file) and Gemma 4 (its BPE form, tests/gemma4_vocab.py, on the tiny gemma4
+model) — the fixture records llama.cpp's
 token ids for every corpus string with special-token parsing on and off, plus a few encodings
 with BOS/EOS added. The tests then hold lmserve's tokenizer to those ids without needing
 llama.cpp. The script also prints where lmserve disagrees, and (optionally) where Qwen's own
@@ -72,6 +73,8 @@ CORPUS: list[str] = [
     "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>",
     "<file_sep>main.py<jupyter_code>print(1)<empty_output>",
     "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
+    "<|turn>user\nhi<turn|>\n<|turn>model\n<|channel>thought\nhmm<channel|>Hi there",
+    '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>',
     "\u0001\u0002 controls, \U0001d538\U0001d539 math, \u2fd5 radical, \U000e0041 tag",
 ]
 
@@ -163,6 +166,12 @@ def main() -> None:
         gemma_path = model_path("gemma-3-270m")
         gemma = Tokenizer.from_gguf_metadata(GGUFFile(gemma_path).metadata)
         gemma_entry, _ = _record("gemma3", gemma_path, gemma_path.name, gemma)
+        from tests.gemma4_vocab import VOCAB_SIZE, gemma4_vocab_metadata
+        from tests.tiny_models import write_tiny_gguf
+
+        gemma4_path = Path(write_tiny_gguf(Path(scratch) / "gemma4.gguf", "gemma4")["path"])
+        gemma4_entry, _ = _record("gemma4", gemma4_path, f"tests/gemma4_vocab.py (Gemma 3's first {VOCAB_SIZE} "
+                                  "ids in Gemma 4's form)", Tokenizer.from_gguf_metadata(gemma4_vocab_metadata()))
         encode_bos, _ = _llama_encoder(qwen_bos_path)
         qwen_bos = {str(i): encode_bos(CORPUS[i], True, True) for i in ADD_SPECIAL_CASES}
     _tiktoken_disagreements(qwen_entry["parse_special"])
@@ -171,7 +180,8 @@ def main() -> None:
                  "regenerate with scripts/regen_tokenizer_fixtures.py",
         "reference": f"llama.cpp via llama-cpp-python {version}",
         "corpus": CORPUS,
-        "vocabularies": {"smollm2": smollm_entry, "qwen3": qwen_entry, "gemma3": gemma_entry},
+        "vocabularies": {"smollm2": smollm_entry, "qwen3": qwen_entry, "gemma3": gemma_entry,
+                         "gemma4": gemma4_entry},
         "qwen3_add_bos_token_true": qwen_bos,
     }
     FIXTURE.parent.mkdir(parents=True, exist_ok=True)

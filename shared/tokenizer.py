@@ -52,7 +52,7 @@ TOKEN_BYTE = 6
 # marking them control (a converter bug); like llama.cpp we then treat them as control anyway.
 END_OF_TURN_TEXTS = frozenset({
     "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>",
-    "<|end_of_text|>", "<EOT>",
+    "<|end_of_text|>", "<EOT>", "<turn|>",
 })
 
 # Fill-in-the-middle: the GGUF keys of the prefix, suffix and middle tokens, and, for files that
@@ -171,6 +171,7 @@ class VocabularyModel:
     tokens, how a token string maps to bytes, and the encoder that splits text into them."""
 
     name: str
+    always_bos = False  # BOS is added whatever the file's add_bos_token says
 
     @classmethod
     def read(cls, meta: dict[str, Any]) -> dict[str, Any]:
@@ -234,16 +235,9 @@ class ByteLevelBPE(VocabularyModel):
     @classmethod
     def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
         kind = PRE_KINDS[PRE_NAMES[spec["pre"]]]
-        merges = []
-        for line in spec["merges"]:
-            # Split at the first space after the first character, so a merge whose left part
-            # is itself a space (raw-text vocabularies) still parses.
-            cut = line.find(" ", 1)
-            if cut < 0:
-                raise TokenizerError(f"malformed BPE merge {line!r}: expected 'left right'")
-            merges.append((line[:cut], line[cut + 1:]))
         try:
-            backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=kind.ignore_merges))
+            backend = _HFTokenizer(models.BPE(vocab=vocab, merges=_merge_pairs(spec["merges"]),
+                                              ignore_merges=kind.ignore_merges))
         except Exception as exc:  # the tokenizers library raises a bare Exception here
             raise TokenizerError(f"the vocabulary's BPE merges are inconsistent: {exc}") from exc
         backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -251,6 +245,18 @@ class ByteLevelBPE(VocabularyModel):
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
         return backend
+
+
+def _merge_pairs(lines: list[str]) -> list[tuple[str, str]]:
+    merges = []
+    for line in lines:
+        # Split at the first space after the first character, so a merge whose left part
+        # is itself a space (raw-text vocabularies) still parses.
+        cut = line.find(" ", 1)
+        if cut < 0:
+            raise TokenizerError(f"malformed BPE merge {line!r}: expected 'left right'")
+        merges.append((line[:cut], line[cut + 1:]))
+    return merges
 
 
 class SentencePieceBPE(VocabularyModel):
@@ -313,9 +319,49 @@ class SentencePieceBPE(VocabularyModel):
         return backend
 
 
+class Gemma4BPE(VocabularyModel):
+    """Gemma 4's vocabulary: SentencePiece's pieces (a space spelled ▁, ``<0xAB>`` tokens for
+    the bytes no piece covers) joined by the ranked BPE merges the file stores, over the raw
+    text cut only into runs of line breaks and the lines between them (llama.cpp's split for
+    it). No leading space is added; BOS always is (llama.cpp overrides a file that says no).
+    A run of line breaks that is a token is one: Gemma's runs are user-defined tokens, which
+    are matched before any merge."""
+
+    name = "gemma4"
+    always_bos = True
+
+    @classmethod
+    def read(cls, meta: dict[str, Any]) -> dict[str, Any]:
+        return {"merges": _get(meta, "tokenizer.ggml.merges", list)}
+
+    @classmethod
+    def check(cls, spec: dict[str, Any]) -> None:
+        if not isinstance(spec.get("merges"), list):
+            raise TokenizerError("tokenizer spec lacks merges")
+
+    @classmethod
+    def add_bos_default(cls, spec: dict[str, Any]) -> bool:
+        return True
+
+    @classmethod
+    def piece_bytes(cls, piece: str, token_type: int) -> bytes:
+        return SentencePieceBPE.piece_bytes(piece, token_type)
+
+    @classmethod
+    def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
+        try:
+            backend = _HFTokenizer(models.BPE(vocab=vocab, merges=_merge_pairs(spec["merges"]),
+                                              byte_fallback=True, fuse_unk=False))
+        except Exception as exc:  # the tokenizers library raises a bare Exception here
+            raise TokenizerError(f"the vocabulary's BPE merges are inconsistent: {exc}") from exc
+        backend.normalizer = normalizers.Replace(" ", "\u2581")
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+        return backend
+
+
 # tokenizer.ggml.model -> the kind that builds it
 VOCABULARY_MODELS: dict[str, type[VocabularyModel]] = {
-    model.name: model for model in (ByteLevelBPE, SentencePieceBPE)}
+    model.name: model for model in (ByteLevelBPE, SentencePieceBPE, Gemma4BPE)}
 
 
 class Tokenizer:
@@ -398,7 +444,8 @@ class Tokenizer:
             "eos_id": _optional_id(meta, "tokenizer.ggml.eos_token_id", size),
             "eot_id": _optional_id(meta, "tokenizer.ggml.eot_token_id", size),
             "eom_id": _optional_id(meta, "tokenizer.ggml.eom_token_id", size),
-            "add_bos": vocabulary.add_bos_default(entries) if add_bos is None else bool(add_bos),
+            "add_bos": (vocabulary.add_bos_default(entries) if add_bos is None
+                        else bool(add_bos) or vocabulary.always_bos),
             "add_eos": False if add_eos is None else bool(add_eos),
             "fim_ids": _fim_ids(meta, tokens, type_bytes),
         }

@@ -324,7 +324,10 @@ def _gemma3_tokenizer(path: Path) -> Tokenizer:
 @pytest.fixture(scope="session")
 def tokenizers(smollm_tokenizer: Tokenizer, qwen_tokenizer: Tokenizer, gemma3_model: Path) -> dict[str, Tokenizer]:
     """By the fixture file's vocabulary names."""
-    return {"smollm2": smollm_tokenizer, "qwen3": qwen_tokenizer, "gemma3": _gemma3_tokenizer(gemma3_model)}
+    from gemma4_vocab import gemma4_vocab_metadata
+
+    return {"smollm2": smollm_tokenizer, "qwen3": qwen_tokenizer, "gemma3": _gemma3_tokenizer(gemma3_model),
+            "gemma4": Tokenizer.from_gguf_metadata(gemma4_vocab_metadata())}
 
 
 os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -107,7 +107,7 @@ _DEFAULTS["gemma4"] = {
     "rms_eps": 1e-6,
     "context_length": 256,
     "tied": True,
-    "vocab": "smollm2",
+    "vocab": "gemma4",
     "n_embd_per_layer": 0,
     "shared_kv_layers": 0,
     "write_optional": ("layer_output_scale.weight", "ffn_gate_up_exps.weight", "ffn_down_exps.scale"),
@@ -164,13 +164,22 @@ def _qwen_vocab() -> dict[str, Any]:
     return dict(module.qwen_vocab_metadata())
 
 
+@functools.lru_cache(maxsize=1)
+def _gemma4_vocab() -> dict[str, Any]:
+    module_name = f"{__package__}.gemma4_vocab" if __package__ else "gemma4_vocab"
+    return dict(importlib.import_module(module_name).gemma4_vocab_metadata())
+
+
 def vocab_metadata(vocab: str) -> dict[str, Any]:
-    """The ``tokenizer.*`` keys of a real vocabulary: ``"smollm2"`` or ``"qwen"``."""
+    """The ``tokenizer.*`` keys of a real vocabulary: ``"smollm2"``, ``"qwen"`` or ``"gemma4"``
+    (Gemma 3's cut down to Gemma 4's form, ``gemma4_vocab.py``)."""
     if vocab == "smollm2":
         return _smollm2_vocab()
     if vocab == "qwen":
         return _qwen_vocab()
-    raise ValueError(f"unknown vocabulary {vocab!r}; expected 'smollm2' or 'qwen'")
+    if vocab == "gemma4":
+        return _gemma4_vocab()
+    raise ValueError(f"unknown vocabulary {vocab!r}; expected 'smollm2', 'qwen' or 'gemma4'")
 
 
 def _add_tokenizer_keys(writer: gguf.GGUFWriter, metadata: dict[str, Any]) -> None:

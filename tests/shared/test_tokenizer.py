@@ -11,7 +11,7 @@ import pytest
 from shared.errors import TokenizerError
 from shared.tokenizer import PRE_NAMES, TOKEN_CONTROL, TOKEN_USER_DEFINED, Tokenizer
 
-VOCABS = ("smollm2", "qwen3", "gemma3")
+VOCABS = ("smollm2", "qwen3", "gemma3", "gemma4")
 
 
 def _with(meta: dict[str, Any], **changes: Any) -> dict[str, Any]:
