@@ -62,9 +62,14 @@ class ModelView:
 
     @property
     def tool_call_tags(self) -> Tags | None:
-        """The tags of the model's Hermes call blocks (gateway/tool_calls.py), None when it has
-        no tool convention."""
+        """The tags of the model's call blocks (gateway/tool_calls.py), None when it has no
+        tool convention."""
         return self.card.capabilities.tool_call_tags
+
+    @property
+    def tool_call_format(self) -> str:
+        """What a call block holds: "hermes" (JSON) or "gemma4" (``call:NAME{…}``)."""
+        return self.card.capabilities.tool_call_format
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, reasoning: bool = False,
                prefill: str = "") -> str:

@@ -1,10 +1,11 @@
-"""Tool calls in the model's reply, in the Hermes convention, once for every dialect.
+"""Tool calls in the model's reply, in the model's own convention, once for every dialect.
 
-A model with this convention (Qwen3 and its kin) declares nothing special: among its text it
-writes ``<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>``,
-one block per call (the worker names the model's call tags in its capabilities).
-``ToolCallParser`` reads the reply's text stream (after the reasoning split and stop strings)
-and turns each block into neutral events; the dialects render those natively.
+A model with the Hermes convention (Qwen3 and its kin) writes among its text
+``<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>``, one
+block per call; a Gemma 4 model writes ``<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>``
+(gateway/gemma4_calls.py). The worker names the model's call tags and format in its
+capabilities. ``ToolCallParser`` reads the reply's text stream (after the reasoning split and
+stop strings) and turns each block into neutral events; the dialects render those natively.
 
 Decisions a client may notice:
 
@@ -14,25 +15,28 @@ Decisions a client may notice:
 - ``</tool_call>`` inside a JSON string does not close the call. A raw line break cannot be part
   of a JSON string, so one ends the string for this purpose: a call with an unterminated string
   is still closed by its tag (and returned as text) instead of swallowing the rest of the reply.
+  (Gemma 4's strings, between ``<|"|>`` quotes, may hold line breaks.)
 - The whitespace a model writes around its calls (the line break before a call, between calls,
   after the last one) is layout, not text: it is dropped, so no dialect shows an empty text part.
 - Arguments are re-serialized (``json.dumps``, non-ASCII kept) and handed out in several
   fragments, each cut where the text so far is a prefix a partial-JSON reader accepts (Anthropic's
   SDK parses the accumulated fragments after every delta).
 - With parallel calls off, the reply ends after its first call (see ``ToolPlan.limit``).
-- A forced call (tool_choice required, a named tool, Anthropic any / tool) is a grammar: Hermes
-  blocks of the allowed tools on a model with the convention; on one without, the generic JSON
-  call format (told to the model in the system message, one call, read when the reply ends).
+- A forced call (tool_choice required, a named tool, Anthropic any / tool) is a grammar: the
+  model's own call blocks of the allowed tools on a model with a convention; on one without,
+  the generic JSON call format (told to the model in the system message, one call, read when
+  the reply ends).
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway import lark_regex
+from gateway import gemma4_calls, lark_regex
 from gateway.neutral import (
     NeutralRequest,
     TextDelta,
@@ -57,9 +61,9 @@ ParsedEvent = TextDelta | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd
 CALL_WHITESPACE = {"whitespace_pattern": r"[ \n]{0,2}"}
 CUSTOM_INPUT = "input"  # the one argument a freeform (custom) tool is called with
 
-# How a forced reply is read back: Hermes blocks, one generic JSON call object, or the whole
-# reply as the input of one freeform tool.
-HERMES, JSON_CALL, RAW_INPUT = "hermes", "json", "input"
+# How a reply is read back: Hermes blocks, Gemma 4's call blocks, one generic JSON call object,
+# or the whole reply as the input of one freeform tool.
+HERMES, GEMMA4, JSON_CALL, RAW_INPUT = "hermes", "gemma4", "json", "input"
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,7 @@ class ToolPlan:
     instruction: str | None = None  # the generic call format, told to a model without a convention
     call_format: str = HERMES
     forced_name: str | None = None  # RAW_INPUT: the freeform tool the reply is the input of
-    call_tags: Tags | None = None  # HERMES: the model's call tags
+    call_tags: Tags | None = None  # HERMES, GEMMA4: the model's call tags
 
     def prompt_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The conversation as rendered: with the instruction added to the system message (or as
@@ -91,7 +95,7 @@ class ToolPlan:
             return WholeReplyCall()
         if self.call_format == RAW_INPUT:
             return WholeReplyCall(self.forced_name)
-        return ToolCallParser(self.call_tags, self.limit)
+        return ToolCallParser(self.call_tags, self.limit, SYNTAXES[self.call_format])
 
 
 def plan(view: ModelView, request: NeutralRequest) -> ToolPlan:
@@ -124,14 +128,15 @@ def plan(view: ModelView, request: NeutralRequest) -> ToolPlan:
     if not request.tools or request.tool_choice == "none":
         return ToolPlan([], False, None)
     limit = None if request.parallel_tool_calls else 1
+    form = GEMMA4 if view.tool_call_format == GEMMA4 else HERMES
     if forced is not None:
-        return ToolPlan(request.tools, True, limit, call_tags=tags,
-                        grammar={"kind": "lark", "source": hermes_lark(request, forced, tags, limit is None)})
+        return ToolPlan(request.tools, True, limit, call_tags=tags, call_format=form,
+                        grammar={"kind": "lark", "source": calls_lark(view, request, forced, limit is None)})
     if request.grammar is None and any(_binding_in_auto(request, tool["function"]) for tool in request.tools):
-        return ToolPlan(request.tools, True, limit, call_tags=tags,
-                        grammar={"kind": "lark", "source": hermes_lark(request, request.tools, tags, limit is None,
+        return ToolPlan(request.tools, True, limit, call_tags=tags, call_format=form,
+                        grammar={"kind": "lark", "source": calls_lark(view, request, request.tools, limit is None,
                                                                       optional=True)})
-    return ToolPlan(request.tools, True, limit, call_tags=tags)
+    return ToolPlan(request.tools, True, limit, call_tags=tags, call_format=form)
 
 
 def forces_call(tool_choice: Any) -> bool:
@@ -216,6 +221,21 @@ def call_schema(request: NeutralRequest, tool: dict[str, Any], whitespace: bool 
     return schema
 
 
+def calls_lark(view: ModelView, request: NeutralRequest, tools: list[dict[str, Any]], parallel: bool,
+               optional: bool = False) -> str:
+    """The grammar of calls of these tools in the model's own convention."""
+    tags = view.tool_call_tags
+    assert tags is not None
+    if view.tool_call_format != GEMMA4:
+        return hermes_lark(request, tools, tags, parallel, optional)
+    ids = [view.tokenizer.piece_to_id(text) for text in (tags.open, tags.close, gemma4_calls.QUOTE)]
+    if None in ids:
+        raise InvalidRequestError("this model's vocabulary lacks its call tokens; tool_choice cannot force a call")
+    functions = [(tool["function"]["name"], _arguments_schema(request, tool["function"])) for tool in tools]
+    return gemma4_calls.lark(functions, *ids, parallel=parallel, optional=optional,
+                             lead=request.grammar_after_reasoning)
+
+
 def hermes_lark(request: NeutralRequest, tools: list[dict[str, Any]], tags: Tags, parallel: bool,
                 optional: bool = False) -> str:
     """A Lark grammar for one or more Hermes call blocks of these tools (``optional``: text, which
@@ -290,12 +310,24 @@ class WholeReplyCall:
 
 # --- the stream parser --------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class CallSyntax:
+    """What a call block holds: where its strings start and end (a tag inside a string does
+    not close the call) and how its body is read."""
+
+    quote: str
+    escape: str | None  # the character that escapes the next one inside a string
+    newline_ends_string: bool
+    parse: Callable[[str], tuple[str, dict[str, Any]] | None]
+
+
 class ToolCallParser:
     """Feed the reply's text pieces; get back text and tool-call events (see the module doc)."""
 
-    def __init__(self, tags: Tags, limit: int | None = None):
+    def __init__(self, tags: Tags, limit: int | None = None, syntax: CallSyntax | None = None):
         self.tags = tags
         self.limit = limit
+        self.syntax = syntax or SYNTAXES[HERMES]
         self.completed = 0
         self.inside = False
         # Outside a call: text held back because it may start a call tag, or is whitespace that
@@ -352,18 +384,18 @@ class ToolCallParser:
 
     def _read_call(self, text: str, out: list[ParsedEvent]) -> str:
         self.body += text
-        body = self.body
+        body, syntax = self.body, self.syntax
         for i in range(self.scanned, len(body)):
             char = body[i]
             if self.in_string:
                 if self.escaped:
                     self.escaped = False
-                elif char == "\\":
+                elif char == syntax.escape:
                     self.escaped = True
-                elif char in '"\n':
+                elif (char == "\n" and syntax.newline_ends_string) or body.endswith(syntax.quote, 0, i + 1):
                     self.in_string = False
                 continue
-            if char == '"':
+            if body.endswith(syntax.quote, 0, i + 1):
                 self.in_string = True
             elif char == ">" and body.endswith(self.tags.close, 0, i + 1):  # tags end with ">"
                 self.inside = False
@@ -378,7 +410,7 @@ class ToolCallParser:
         return ""
 
     def _close(self, raw: str, out: list[ParsedEvent]) -> None:
-        call = parse_call(raw)
+        call = self.syntax.parse(raw)
         if call is None:
             self._text(self.gap + self.tags.open + raw + self.tags.close, out)
             self.gap = ""
@@ -450,3 +482,7 @@ def json_fragments(text: str, size: int = FRAGMENT_CHARS) -> list[str]:
             in_string = not in_string
     pieces.append(text[start:])
     return [piece for piece in pieces if piece]
+
+
+SYNTAXES = {HERMES: CallSyntax('"', "\\", True, parse_call),
+            GEMMA4: CallSyntax(gemma4_calls.QUOTE, None, False, gemma4_calls.parse_call)}

@@ -119,7 +119,8 @@ class Capabilities:
     context_length: int  # the model's trained context
     reasoning_tags: Tags  # where a reasoning block starts and ends in a reply
     reasoning: bool = False  # the template switches reasoning on and off on request
-    tool_call_tags: Tags | None = None  # calls as Hermes blocks between these; None: no convention
+    tool_call_tags: Tags | None = None  # calls are blocks between these; None: no convention
+    tool_call_format: str = "hermes"  # what a block holds: "hermes" (JSON) or "gemma4" (call:NAME{…})
     vision: bool = False  # image inputs
     grammar: bool = True  # constrained decoding
     batch: int = 1  # streams decoded together

@@ -1,12 +1,20 @@
 """What the loaded model can do, decided once from its vocabulary and chat template and sent to
 every gateway in MODEL_CARD (``shared.protocol.Capabilities``).
 
-The conventions known here are the ones the Qwen3 family and its kin follow: a reasoning block
-between ``<think>`` tags, switched by the template's ``enable_thinking``, and tool calls as
-Hermes blocks between ``<tool_call>`` tags.
+Two conventions are known, each a way of marking reasoning and tool calls in a reply:
+
+- ``hermes`` (the Qwen3 family and its kin): a reasoning block between ``<think>`` tags, and tool
+  calls as Hermes blocks, JSON between ``<tool_call>`` tags;
+- ``gemma4``: reasoning in a thought channel, ``<|channel>thought`` … ``<channel|>``, and calls
+  as ``<|tool_call>call:NAME{key:value,…}<tool_call|>`` with strings quoted by ``<|"|>``.
+
+The vocabulary says which convention a model follows (its marker tokens); the template says
+whether it thinks on request (it knows ``enable_thinking``) and whether it calls tools.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from shared.chat_template import ChatTemplate
 from shared.protocol import Tags
@@ -14,22 +22,51 @@ from shared.tokenizer import Tokenizer
 
 THINK_TAGS = Tags("<think>", "</think>")
 HERMES_CALL_TAGS = Tags("<tool_call>", "</tool_call>")
+GEMMA4_THOUGHT_TAGS = Tags("<|channel>thought", "<channel|>")
+GEMMA4_CALL_TAGS = Tags("<|tool_call>", "<tool_call|>")
+GEMMA4_QUOTE = '<|"|>'
 
 
-def _in_vocabulary(tokenizer: Tokenizer, tags: Tags) -> bool:
-    return tokenizer.piece_to_id(tags.open) is not None and tokenizer.piece_to_id(tags.close) is not None
+@dataclass(frozen=True)
+class Convention:
+    name: str  # the call format's name (Capabilities.tool_call_format)
+    reasoning: Tags
+    calls: Tags
+    reasoning_tokens: tuple[str, ...]  # marker texts the vocabulary must hold as tokens
+    call_tokens: tuple[str, ...]
+
+
+HERMES = Convention("hermes", THINK_TAGS, HERMES_CALL_TAGS, ("<think>", "</think>"), ("<tool_call>", "</tool_call>"))
+GEMMA4 = Convention("gemma4", GEMMA4_THOUGHT_TAGS, GEMMA4_CALL_TAGS, ("<|channel>", "<channel|>"),
+                    ("<|tool_call>", "<tool_call|>", GEMMA4_QUOTE))
+CONVENTIONS = (GEMMA4, HERMES)
+
+
+def _in_vocabulary(tokenizer: Tokenizer, texts: tuple[str, ...]) -> bool:
+    return all(tokenizer.piece_to_id(text) is not None for text in texts)
+
+
+def convention(tokenizer: Tokenizer) -> Convention:
+    """The convention whose markers the vocabulary holds (Hermes when none's are: its tags are
+    what a reply of a model without markers is searched for, and never found)."""
+    for candidate in CONVENTIONS:
+        if _in_vocabulary(tokenizer, candidate.reasoning_tokens) or _in_vocabulary(tokenizer, candidate.call_tokens):
+            return candidate
+    return HERMES
 
 
 def has_reasoning_switch(tokenizer: Tokenizer, template: ChatTemplate | None) -> bool:
-    """A model can think on request when its vocabulary has the think tags and its template
-    knows the enable_thinking switch."""
-    return template is not None and _in_vocabulary(tokenizer, THINK_TAGS) and "enable_thinking" in template.source
+    """A model can think on request when its vocabulary has its convention's reasoning markers
+    and its template knows the enable_thinking switch."""
+    return (template is not None and _in_vocabulary(tokenizer, convention(tokenizer).reasoning_tokens)
+            and "enable_thinking" in template.source)
 
 
 def tool_call_tags(tokenizer: Tokenizer, template: ChatTemplate | None) -> Tags | None:
-    """A model calls tools the Hermes way when its vocabulary has the call tags and its
-    template shows tools and calls."""
-    if template is None or not _in_vocabulary(tokenizer, HERMES_CALL_TAGS):
+    """The call tags of a model that calls tools in its convention: its vocabulary has the
+    call markers and its template shows tools and calls."""
+    found = convention(tokenizer)
+    if template is None or not _in_vocabulary(tokenizer, found.call_tokens):
         return None
     source = template.source
-    return HERMES_CALL_TAGS if "tools" in source and "tool_call" in source else None
+    return found.calls if "tools" in source and "tool_call" in source else None

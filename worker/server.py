@@ -40,7 +40,7 @@ from shared.protocol import (
     version_mismatch_message,
 )
 from shared.errors import InvalidRequestError
-from worker.capabilities import THINK_TAGS, has_reasoning_switch, tool_call_tags
+from worker.capabilities import convention, has_reasoning_switch, tool_call_tags
 from worker.engine import Engine
 from worker.grammar import GrammarEngine
 from worker.kv_spill import KVSpiller
@@ -105,9 +105,10 @@ class WorkerServer:
             fingerprint=engine.fingerprint, instance=self.instance,
             capabilities=Capabilities(
                 context_length=engine.model.hp.context_length,
-                reasoning_tags=THINK_TAGS,
+                reasoning_tags=convention(engine.tokenizer).reasoning,
                 reasoning=has_reasoning_switch(engine.tokenizer, template),
                 tool_call_tags=tool_call_tags(engine.tokenizer, template),
+                tool_call_format=convention(engine.tokenizer).name,
                 vision=False,  # no architecture here reads images
                 grammar=True, batch=sched.batch, kv_slots=sched.slot_count, queue=sched.queue,
                 kvstore=self.settings.spiller.store.describe() if self.settings.spiller else None,

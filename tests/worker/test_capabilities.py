@@ -1,5 +1,6 @@
 """Capabilities from a real vocabulary and template: Qwen3's (think tags with the enable_thinking
-switch, Hermes call tags) and SmolLM2's (neither)."""
+switch, Hermes call tags), Gemma 4's (a thought channel, its own call blocks) and SmolLM2's
+(neither)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,23 @@ def test_a_file_without_a_template_has_none(smollm_metadata):
         assert chat_template_from_metadata({**smollm_metadata, "tokenizer.chat_template": source}) is None
     template = chat_template_from_metadata(smollm_metadata)
     assert template is not None and template.source == smollm_metadata["tokenizer.chat_template"]
+
+
+def test_gemma4_thinks_in_its_channel_and_calls_in_its_own_blocks():
+    from gemma4_vocab import gemma4_vocab_metadata
+
+    from shared.tokenizer import Tokenizer
+    from worker.capabilities import GEMMA4, GEMMA4_CALL_TAGS, convention
+
+    metadata = gemma4_vocab_metadata()
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    template = chat_template_from_metadata(metadata)
+    assert convention(tokenizer) is GEMMA4
+    assert has_reasoning_switch(tokenizer, template)
+    assert tool_call_tags(tokenizer, template) == GEMMA4_CALL_TAGS
+
+
+def test_a_vocabulary_without_markers_follows_hermes_and_has_neither(smollm_tokenizer):
+    from worker.capabilities import HERMES, convention
+
+    assert convention(smollm_tokenizer) is HERMES
