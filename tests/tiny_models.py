@@ -182,7 +182,7 @@ def vocab_metadata(vocab: str) -> dict[str, Any]:
     raise ValueError(f"unknown vocabulary {vocab!r}; expected 'smollm2', 'qwen' or 'gemma4'")
 
 
-def _add_tokenizer_keys(writer: gguf.GGUFWriter, metadata: dict[str, Any]) -> None:
+def add_tokenizer_keys(writer: gguf.GGUFWriter, metadata: dict[str, Any]) -> None:
     # Metadata arrives as plain Python values, so the GGUF value type is chosen from the
     # Python type; these are the types llama.cpp's loader checks for the tokenizer keys
     # (ids UINT32, flags BOOL, token_type INT32[], scores FLOAT32[], strings).
@@ -256,7 +256,9 @@ def _layer_shapes(hp: dict[str, Any]) -> tuple[LayerShape, ...]:
     return tuple(shapes)
 
 
-def _add_gemma4_keys(writer: gguf.GGUFWriter, hp: dict[str, Any], shapes: tuple[LayerShape, ...]) -> None:
+def add_gemma4_keys(writer: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """gemma4's own keys from the tiny hyperparameters' names (swa_pattern, head_dim_swa,
+    rope_base_swa, n_embd_per_layer, shared_kv_layers)."""
     arch = "gemma4"
     writer.add_array(f"{arch}.attention.sliding_window_pattern", [bool(v) for v in hp["swa_pattern"]])
     writer.add_uint32(f"{arch}.attention.key_length_swa", hp["head_dim_swa"])
@@ -305,8 +307,8 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
         writer.add_expert_used_count(hp["n_expert_used"])
         writer.add_expert_feed_forward_length(hp["n_ff_exp"])
     if arch == "gemma4":
-        _add_gemma4_keys(writer, hp, shapes)
-    _add_tokenizer_keys(writer, vocab)
+        add_gemma4_keys(writer, hp)
+    add_tokenizer_keys(writer, vocab)
 
     rng = np.random.default_rng(seed)
 
