@@ -52,7 +52,9 @@ TOKEN_BYTE = 6
 # marking them control (a converter bug); like llama.cpp we then treat them as control anyway.
 END_OF_TURN_TEXTS = frozenset({
     "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>",
-    "<|end_of_text|>", "<EOT>", "<turn|>",
+    "<|end_of_text|>", "<EOT>", "<turn|>", "<|assistant_end|>",
+    # nanochat's calculator result is the caller's to write: the reply stops where it would begin
+    "<|output_start|>",
 })
 
 # Fill-in-the-middle: the GGUF keys of the prefix, suffix and middle tokens, and, for files that
@@ -74,6 +76,9 @@ _LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# nanochat's GPT-4-style split (digits in runs of up to two; possessive quantifiers).
+_NANOCHAT = (r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*"
+             r"|\s*[\r\n]|\s+(?!\S)|\s+")
 # Qwen 3.5 keeps combining marks inside words.
 _QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -96,6 +101,7 @@ PRE_KINDS: dict[str, PreTokenizerKind] = {
     "llama3": PreTokenizerKind((_LLAMA3,), ignore_merges=True, add_bos_default=True),
     "qwen2": PreTokenizerKind((_QWEN2,)),
     "qwen35": PreTokenizerKind((_QWEN35,)),
+    "nanochat": PreTokenizerKind((_NANOCHAT,)),
 }
 
 # tokenizer.ggml.pre value -> kind. Names as the GGUF converters write them.
@@ -107,6 +113,7 @@ PRE_NAMES: dict[str, str] = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), "llama3"),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2"), "qwen2"),
     "qwen35": "qwen35",
+    "nanochat": "nanochat",
 }
 
 

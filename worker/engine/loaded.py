@@ -16,6 +16,7 @@ import numpy as np
 
 from shared.tokenizer import Tokenizer
 from worker.engine.archs import load_model
+from worker.engine.checkpoint import NanochatCheckpoint
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kv_cache import KVCache
 from worker.engine.model import DecoderModel
@@ -37,10 +38,11 @@ class Engine:
         """on_progress(bytes taken, bytes in all tensors) is called as the weights are mapped.
         ``exact`` holds every weight as float32 (see ``DecoderModel``); ``kv_type`` is the KV
         cache's storage, ``f16`` or ``f32``."""
-        gguf = GGUFFile(path, on_progress)
+        # a directory is a nanochat checkpoint; anything else a GGUF file
+        gguf = NanochatCheckpoint(path, on_progress) if os.path.isdir(path) else GGUFFile(path, on_progress)
         model = load_model(gguf, exact, kv_type)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
-        name = os.path.splitext(os.path.basename(gguf.path))[0]
+        name = os.path.splitext(os.path.basename(os.path.normpath(gguf.path)))[0]
         return cls(model, tokenizer, name, _fingerprint(gguf, model), gguf.metadata)
 
     @property
@@ -88,14 +90,15 @@ class Engine:
         return logits
 
 
-def _fingerprint(gguf: GGUFFile, model: DecoderModel) -> str:
+def _fingerprint(gguf: GGUFFile | NanochatCheckpoint, model: DecoderModel) -> str:
     """Hash of the file's identity and the KV geometry and storage type; cheap (no full read of
     the weights). ``rope-v2``: llama keys are kept in the file's adjacent-pair order."""
     hp = model.hp
     digest = hashlib.sha256()
-    stat = os.stat(gguf.path)
+    path = gguf.file.path if isinstance(gguf, NanochatCheckpoint) else gguf.path
+    stat = os.stat(path)
     digest.update(f"{stat.st_size}".encode())  # content, not the path: copies share cached KV
-    with open(gguf.path, "rb") as fh:  # head and tail of the file stand in for its content
+    with open(path, "rb") as fh:  # head and tail of the file stand in for its content
         digest.update(fh.read(1 << 20))
         fh.seek(max(0, stat.st_size - (1 << 20)))
         digest.update(fh.read(1 << 20))

@@ -191,6 +191,7 @@ class DecoderModel:
     # are ordered so
     rope_adjacent: ClassVar[bool] = False
     activation: ClassVar[str] = "silu"  # the gate's activation in the gated FFN (ACTIVATIONS)
+    has_output_norm: ClassVar[bool] = True  # False: the final RMSNorm has no weight
 
     def __init__(self, gguf: GGUFFile, exact: bool = False, kv_type: str = "f16"):
         self.path = gguf.path
@@ -211,7 +212,7 @@ class DecoderModel:
                 f"{gguf.path}: token_embd.weight is {self.token_embd.shape}, expected (*, {self.hp.n_embd})")
         if self.hp.n_vocab != self.token_embd.shape[0]:
             self.hp = replace(self.hp, n_vocab=self.token_embd.shape[0])
-        self.output_norm = gguf.tensor("output_norm.weight", (self.hp.n_embd,))
+        self.output_norm = gguf.tensor("output_norm.weight", (self.hp.n_embd,)) if self.has_output_norm else None
         # Small models tie the output head to the embedding; the same weight serves both.
         self.output = (self.load_weight(gguf, "output.weight", self.token_embd.shape)
                        if gguf.has_tensor("output.weight") else self.token_embd)
@@ -497,7 +498,8 @@ class DecoderModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes of the weights as held: in the file's blocks, or float32 where dequantized."""
-        held = [self.token_embd, self.output_norm] + ([self.output] if self.output is not self.token_embd else [])
+        held = [self.token_embd] + ([self.output_norm] if self.output_norm is not None else [])
+        held += [self.output] if self.output is not self.token_embd else []
         held += [getattr(self, t.key) for t in self.global_tensors(self.hp) if hasattr(self, t.key)]
         for layer in self.layers:
             for value in layer.values():

@@ -6,6 +6,7 @@ from shared.errors import ModelLoadError
 from worker.engine.archs.gemma3 import Gemma3Model
 from worker.engine.archs.gemma4 import Gemma4Model
 from worker.engine.archs.llama import LlamaModel
+from worker.engine.archs.nanochat import NanochatModel
 from worker.engine.archs.qwen3 import Qwen3Model
 from worker.engine.archs.qwen3moe import Qwen3MoeModel
 from worker.engine.gguf_file import GGUFFile
@@ -15,6 +16,7 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "gemma3": Gemma3Model,
     "gemma4": Gemma4Model,
     "llama": LlamaModel,
+    "nanochat": NanochatModel,
     "qwen3": Qwen3Model,
     "qwen3moe": Qwen3MoeModel,
 }
