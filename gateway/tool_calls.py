@@ -3,7 +3,9 @@
 A model with the Hermes convention (Qwen3 and its kin) writes among its text
 ``<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>``, one
 block per call; a Gemma 4 model writes ``<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>``
-(gateway/gemma4_calls.py). The worker names the model's call tags and format in its
+(gateway/gemma4_calls.py); a nanochat model calls its calculator,
+``<|python_start|>2+2<|python_end|>``, which comes back as a call of the request's calculator
+tool (``calculator_call``). The worker names the model's call tags and format in its
 capabilities. ``ToolCallParser`` reads the reply's text stream (after the reasoning split and
 stop strings) and turns each block into neutral events; the dialects render those natively.
 
@@ -63,7 +65,10 @@ CUSTOM_INPUT = "input"  # the one argument a freeform (custom) tool is called wi
 
 # How a reply is read back: Hermes blocks, Gemma 4's call blocks, one generic JSON call object,
 # or the whole reply as the input of one freeform tool.
-HERMES, GEMMA4, JSON_CALL, RAW_INPUT = "hermes", "gemma4", "json", "input"
+HERMES, GEMMA4, NANOCHAT, JSON_CALL, RAW_INPUT = "hermes", "gemma4", "nanochat", "json", "input"
+CALCULATOR_NAMES = ("python", "calculator")  # nanochat's one tool: the name its calls get by default
+CALCULATOR_ARGUMENT = "code"
+CALCULATOR_CODE_CHARS = 256  # a forced calculator call's code: one line, an expression
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,8 @@ class ToolPlan:
     instruction: str | None = None  # the generic call format, told to a model without a convention
     call_format: str = HERMES
     forced_name: str | None = None  # RAW_INPUT: the freeform tool the reply is the input of
-    call_tags: Tags | None = None  # HERMES, GEMMA4: the model's call tags
+    call_tags: Tags | None = None  # HERMES, GEMMA4, NANOCHAT: the model's call tags
+    syntax: CallSyntax | None = None  # what a call block holds, where not the format's own
 
     def prompt_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The conversation as rendered: with the instruction added to the system message (or as
@@ -95,7 +101,7 @@ class ToolPlan:
             return WholeReplyCall()
         if self.call_format == RAW_INPUT:
             return WholeReplyCall(self.forced_name)
-        return ToolCallParser(self.call_tags, self.limit, SYNTAXES[self.call_format])
+        return ToolCallParser(self.call_tags, self.limit, self.syntax or SYNTAXES[self.call_format])
 
 
 def plan(view: ModelView, request: NeutralRequest) -> ToolPlan:
@@ -128,7 +134,14 @@ def plan(view: ModelView, request: NeutralRequest) -> ToolPlan:
     if not request.tools or request.tool_choice == "none":
         return ToolPlan([], False, None)
     limit = None if request.parallel_tool_calls else 1
-    form = GEMMA4 if view.tool_call_format == GEMMA4 else HERMES
+    form = view.tool_call_format if view.tool_call_format in (GEMMA4, NANOCHAT) else HERMES
+    if form == NANOCHAT:
+        name, argument = calculator_call(forced or request.tools)
+        syntax = CallSyntax(None, None, False, lambda raw: (name, {argument: raw}) if raw.strip() else None)
+        grammar = None
+        if forced is not None:
+            grammar = {"kind": "lark", "source": calls_lark(view, request, forced, limit is None)}
+        return ToolPlan(request.tools, True, limit, grammar=grammar, call_tags=tags, call_format=form, syntax=syntax)
     if forced is not None:
         return ToolPlan(request.tools, True, limit, call_tags=tags, call_format=form,
                         grammar={"kind": "lark", "source": calls_lark(view, request, forced, limit is None)})
@@ -226,6 +239,11 @@ def calls_lark(view: ModelView, request: NeutralRequest, tools: list[dict[str, A
     """The grammar of calls of these tools in the model's own convention."""
     tags = view.tool_call_tags
     assert tags is not None
+    if view.tool_call_format == NANOCHAT:
+        ids = [view.tokenizer.piece_to_id(text) for text in (tags.open, tags.close)]
+        calls = "tc*" if parallel else "tc?"
+        start = f"start: TEXT {calls}\nTEXT: /(.|\\n)*/" if optional else f"start: tc{'+' if parallel else ''}"
+        return f"{start}\ntc: <[{ids[0]}]> CODE <[{ids[1]}]>\nCODE: /[^\\n]{{1,{CALCULATOR_CODE_CHARS}}}/\n"
     if view.tool_call_format != GEMMA4:
         return hermes_lark(request, tools, tags, parallel, optional)
     ids = [view.tokenizer.piece_to_id(text) for text in (tags.open, tags.close, gemma4_calls.QUOTE)]
@@ -234,6 +252,21 @@ def calls_lark(view: ModelView, request: NeutralRequest, tools: list[dict[str, A
     functions = [(tool["function"]["name"], _arguments_schema(request, tool["function"])) for tool in tools]
     return gemma4_calls.lark(functions, *ids, parallel=parallel, optional=optional,
                              lead=request.grammar_after_reasoning)
+
+
+def calculator_call(tools: list[dict[str, Any]]) -> tuple[str, str]:
+    """The tool a nanochat calculator call is a call of, and the argument its code goes in: the
+    request's one tool, else its tool named like a calculator, else ``python``; the argument is
+    that tool's first required property (or first property), else ``code``."""
+    functions = [tool["function"] for tool in tools]
+    chosen = functions[0] if len(functions) == 1 else next(
+        (f for f in functions if f["name"] in CALCULATOR_NAMES), None)
+    if chosen is None:
+        return CALCULATOR_NAMES[0], CALCULATOR_ARGUMENT
+    parameters = chosen.get("parameters") if isinstance(chosen.get("parameters"), dict) else {}
+    properties = list(parameters.get("properties") or {})
+    required = [name for name in parameters.get("required") or [] if name in properties]
+    return chosen["name"], (required or properties or [CALCULATOR_ARGUMENT])[0]
 
 
 def hermes_lark(request: NeutralRequest, tools: list[dict[str, Any]], tags: Tags, parallel: bool,
@@ -315,7 +348,7 @@ class CallSyntax:
     """What a call block holds: where its strings start and end (a tag inside a string does
     not close the call) and how its body is read."""
 
-    quote: str
+    quote: str | None  # None: the body has no strings
     escape: str | None  # the character that escapes the next one inside a string
     newline_ends_string: bool
     parse: Callable[[str], tuple[str, dict[str, Any]] | None]
@@ -395,7 +428,7 @@ class ToolCallParser:
                 elif (char == "\n" and syntax.newline_ends_string) or body.endswith(syntax.quote, 0, i + 1):
                     self.in_string = False
                 continue
-            if body.endswith(syntax.quote, 0, i + 1):
+            if syntax.quote is not None and body.endswith(syntax.quote, 0, i + 1):
                 self.in_string = True
             elif char == ">" and body.endswith(self.tags.close, 0, i + 1):  # tags end with ">"
                 self.inside = False

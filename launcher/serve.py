@@ -33,7 +33,7 @@ from launcher.flags import build_parser, to_argv
 from shared.command_line import env_name
 from shared.load_progress import ProgressBar, parse_status
 from worker.flags import build_parser as worker_parser
-from worker.flags import check_worker_flags
+from worker.flags import check_worker_flags, model_argument
 
 POLL_INTERVAL = 0.1  # seconds between looks at the children
 GATEWAYS_READY_WAIT = 10.0  # after the first healthy answer, how long to wait to hear from every gateway
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.conns < 1 or args.max_body < 1 or args.header_timeout <= 0:
         parser.error("--conns, --max-body and --header-timeout must be positive")
     from shared.default_model import resolve_model
-    args.model = resolve_model(args.model)
+    args.model = resolve_model(model_argument(parser, args))
     args.worker = args.worker or _free_tcp_endpoint()
     if not args.kv_store and not args.kv_cache_dir:
         from shared.default_model import cache_dir

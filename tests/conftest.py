@@ -108,11 +108,18 @@ class WorkerProcess(ChildProcess):
         return asyncio.run(ask())
 
     def wait_ready(self, timeout: float = 600) -> None:
-        # a worker is ready once it has run its kernels, which on a first start compiles them
-        try:
-            self.card(timeout)
-        except TimeoutError:
-            raise RuntimeError(f"worker did not get ready; log:\n{self.log_path.read_text()[-3000:]}")
+        # a worker is ready once it has run its kernels, which on a first start compiles them;
+        # one that exits (a bad flag, a model it cannot load) is reported at once
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited; log:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                self.card(min(5.0, max(0.1, deadline - time.monotonic())))
+                return
+            except TimeoutError:
+                continue
+        raise RuntimeError(f"worker did not get ready; log:\n{self.log_path.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="session")

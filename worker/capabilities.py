@@ -1,12 +1,14 @@
 """What the loaded model can do, decided once from its vocabulary and chat template and sent to
 every gateway in MODEL_CARD (``shared.protocol.Capabilities``).
 
-Two conventions are known, each a way of marking reasoning and tool calls in a reply:
+Three conventions are known, each a way of marking reasoning and tool calls in a reply:
 
 - ``hermes`` (the Qwen3 family and its kin): a reasoning block between ``<think>`` tags, and tool
   calls as Hermes blocks, JSON between ``<tool_call>`` tags;
 - ``gemma4``: reasoning in a thought channel, ``<|channel>thought`` … ``<channel|>``, and calls
-  as ``<|tool_call>call:NAME{key:value,…}<tool_call|>`` with strings quoted by ``<|"|>``.
+  as ``<|tool_call>call:NAME{key:value,…}<tool_call|>`` with strings quoted by ``<|"|>``;
+- ``nanochat``: no reasoning, and one tool, its calculator: ``<|python_start|>`` code
+  ``<|python_end|>`` (the caller runs it; its template knows no tool declarations).
 
 The vocabulary says which convention a model follows (its marker tokens); the template says
 whether it thinks on request (it knows ``enable_thinking``) and whether it calls tools.
@@ -36,10 +38,12 @@ class Convention:
     call_tokens: tuple[str, ...]
 
 
+NANOCHAT_CALL_TAGS = Tags("<|python_start|>", "<|python_end|>")
 HERMES = Convention("hermes", THINK_TAGS, HERMES_CALL_TAGS, ("<think>", "</think>"), ("<tool_call>", "</tool_call>"))
 GEMMA4 = Convention("gemma4", GEMMA4_THOUGHT_TAGS, GEMMA4_CALL_TAGS, ("<|channel>", "<channel|>"),
                     ("<|tool_call>", "<tool_call|>", GEMMA4_QUOTE))
-CONVENTIONS = (GEMMA4, HERMES)
+NANOCHAT = Convention("nanochat", THINK_TAGS, NANOCHAT_CALL_TAGS, (), (NANOCHAT_CALL_TAGS.open, NANOCHAT_CALL_TAGS.close))
+CONVENTIONS = (GEMMA4, NANOCHAT, HERMES)
 
 
 def _in_vocabulary(tokenizer: Tokenizer, texts: tuple[str, ...]) -> bool:
@@ -50,7 +54,8 @@ def convention(tokenizer: Tokenizer) -> Convention:
     """The convention whose markers the vocabulary holds (Hermes when none's are: its tags are
     what a reply of a model without markers is searched for, and never found)."""
     for candidate in CONVENTIONS:
-        if _in_vocabulary(tokenizer, candidate.reasoning_tokens) or _in_vocabulary(tokenizer, candidate.call_tokens):
+        if any(markers and _in_vocabulary(tokenizer, markers)
+               for markers in (candidate.reasoning_tokens, candidate.call_tokens)):
             return candidate
     return HERMES
 
@@ -58,15 +63,19 @@ def convention(tokenizer: Tokenizer) -> Convention:
 def has_reasoning_switch(tokenizer: Tokenizer, template: ChatTemplate | None) -> bool:
     """A model can think on request when its vocabulary has its convention's reasoning markers
     and its template knows the enable_thinking switch."""
-    return (template is not None and _in_vocabulary(tokenizer, convention(tokenizer).reasoning_tokens)
+    markers = convention(tokenizer).reasoning_tokens
+    return (template is not None and bool(markers) and _in_vocabulary(tokenizer, markers)
             and "enable_thinking" in template.source)
 
 
 def tool_call_tags(tokenizer: Tokenizer, template: ChatTemplate | None) -> Tags | None:
     """The call tags of a model that calls tools in its convention: its vocabulary has the
-    call markers and its template shows tools and calls."""
+    call markers and its template shows tools and calls (nanochat's, calls alone: its one tool
+    is never declared)."""
     found = convention(tokenizer)
     if template is None or not _in_vocabulary(tokenizer, found.call_tokens):
         return None
     source = template.source
+    if found is NANOCHAT:
+        return found.calls if found.calls.open in source else None
     return found.calls if "tools" in source and "tool_call" in source else None

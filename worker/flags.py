@@ -15,6 +15,23 @@ from shared.protocol import DEFAULT_ENDPOINT
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=os.environ.get(env_name("--model")),
                    help="GGUF model file (default: SmolLM2-135M-Instruct, fetched once) [env LMSERVE_MODEL]")
+    p.add_argument("--nanochat", metavar="DIR", default=None,
+                   help="serve a nanochat checkpoint directory instead of a GGUF file (model.safetensors, "
+                        "tokenizer.json, and config.json or nanochat's meta_*.json)")
+
+
+def model_argument(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The model the flags name: --nanochat's directory, or the positional model (a GGUF file,
+    a known name, or a checkpoint directory too). --nanochat is folded into ``args.model``."""
+    if args.nanochat is None:
+        return args.model
+    if args.model and args.model != args.nanochat:
+        parser.error("give either a model or --nanochat DIR, not both")
+    if not os.path.isdir(args.nanochat):
+        parser.error(f"--nanochat {args.nanochat}: not a directory (a nanochat checkpoint directory holds "
+                     "model.safetensors and tokenizer.json)")
+    args.model, args.nanochat = args.nanochat, None
+    return args.model
 
 
 def add_worker_flags(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ from shared.errors import LmserveError
 from shared.load_progress import ProgressBar, StatusWriter
 from shared.memory import fix_mmap_threshold
 from worker.engine import Engine, kernels
-from worker.flags import build_parser, check_worker_flags
+from worker.flags import build_parser, check_worker_flags, model_argument
 from worker.kv_spill import KVSpiller
 from worker.scheduler import SchedulerSettings, resident_slot_count
 from worker.scripted import ScriptedReplies
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     fix_mmap_threshold()
     try:
         from shared.default_model import resolve_model
-        path = resolve_model(args.model)
+        path = resolve_model(model_argument(parser, args))
         threads = kernels.set_threads(args.threads or None)
         started = time.perf_counter()
         # Under lmserve serve the parent draws the bar; alone on a terminal, we do.

@@ -59,3 +59,17 @@ def test_readme_tables_list_every_flag():
         assert section, f"README.md has no table of lmserve {role} flags"
         listed = set(re.findall(r"^\| `(--[a-z0-9-]+)", section.group(1), re.MULTILINE))
         assert listed == _flags(build()), f"lmserve {role}: README lists {sorted(listed ^ _flags(build()))} wrongly"
+
+
+def test_nanochat_names_the_model_directory(tmp_path, capsys):
+    from worker.flags import model_argument
+
+    for role in ("serve", "worker"):
+        parser = ROLES[role]()
+        args = parser.parse_args(["--nanochat", str(tmp_path)])
+        assert model_argument(parser, args) == str(tmp_path) and args.model == str(tmp_path) and args.nanochat is None
+        for argv, says in (([str(tmp_path / "other.gguf"), "--nanochat", str(tmp_path)], "not both"),
+                           (["--nanochat", str(tmp_path / "missing")], "not a directory")):
+            with pytest.raises(SystemExit):
+                model_argument(parser, parser.parse_args(argv))
+            assert says in capsys.readouterr().err

@@ -312,7 +312,7 @@ CHAT_TEMPLATE = """\
         {{- text_of(message.content) -}}
         {%- for call in message.tool_calls or [] -%}
             {%- set arguments = (call.function if call.function is defined else call).arguments -%}
-            {{- '<|python_start|>' ~ (arguments.code if arguments is mapping and arguments.code is defined
+            {{- '<|python_start|>' ~ ((arguments.values() | list | first) if arguments is mapping
                                       else arguments) ~ '<|python_end|>' -}}
         {%- endfor -%}
         {%- set state.open = (message.tool_calls or []) | length > 0 -%}
