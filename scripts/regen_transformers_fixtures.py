@@ -1,0 +1,153 @@
+"""Regenerate the tiny gemma models' second reference: the ``transformers`` package.
+
+    python scripts/regen_transformers_fixtures.py [gemma3_tiny gemma4_tiny gemma4_e_tiny]
+
+in a venv with torch (CPU), transformers 5.23, gguf, numpy and lmserve's own dependencies
+(``tests/tiny_models.py`` writes the GGUF files). For each tiny model it writes the GGUF, reads
+it back with the ``gguf`` package's reader, renames its tensors to the Hugging Face model's
+(Gemma 3's norms stored as 1 + w, so w = stored − 1; Gemma 4's as they are), builds the
+transformers model from the matching config, and records its logits for the llama.cpp
+fixture's tokens as ``tests/fixtures/logits_<name>_hf.npz`` (``fixture_files.save_fixture``).
+llama.cpp and transformers were written independently; the engine is held to both.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
+
+import torch  # noqa: E402
+from fixture_files import FIXTURE_DIR, save_fixture, sha256_of  # noqa: E402
+from gguf import GGUFReader  # noqa: E402
+from tiny_models import TINY_FIXTURES, write_tiny_gguf  # noqa: E402
+
+NAMES = ("gemma3_tiny", "gemma4_tiny", "gemma4_e_tiny")
+LAYER_NAMES = {  # GGUF name after blk.N. -> Hugging Face name after model.layers.N.
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    # gemma4
+    "layer_output_scale.weight": "layer_scalar",
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+    "ffn_down_exps.weight": "experts.down_proj",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+}
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+}
+
+
+def state_dict(path: Path, norm_shift: float) -> dict[str, torch.Tensor]:
+    out = {}
+    for tensor in GGUFReader(str(path)).tensors:
+        name = tensor.name
+        values = np.array(tensor.data, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape)])
+        if name == "rope_freqs.weight":
+            continue  # transformers computes the proportional rotation from its config
+        if name.endswith("norm.weight"):
+            values = values - norm_shift
+        if name.startswith("blk."):
+            _, layer, rest = name.split(".", 2)
+            name = f"model.layers.{layer}.{LAYER_NAMES[rest]}"
+        else:
+            name = GLOBAL_NAMES[name]
+        out[name] = torch.from_numpy(values)
+    if "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def model_for(info: dict) -> tuple[torch.nn.Module, float]:
+    """The transformers model of a tiny GGUF's hyperparameters, and its norms' stored shift."""
+    layer_types = ["sliding_attention" if local else "full_attention"
+                   for local in (info.get("swa_pattern") or [i % 6 < 5 for i in range(info["n_layer"])])]
+    common = dict(vocab_size=info["n_vocab"], hidden_size=info["n_embd"], intermediate_size=info["n_ff"],
+                  num_hidden_layers=info["n_layer"], num_attention_heads=info["n_head"],
+                  num_key_value_heads=info["n_head_kv"], rms_norm_eps=info["rms_eps"],
+                  sliding_window=info["sliding_window"], layer_types=layer_types,
+                  max_position_embeddings=info["context_length"], tie_word_embeddings=True)
+    if info["arch"] == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        config = Gemma3TextConfig(**common, head_dim=info["head_dim"], query_pre_attn_scalar=info["head_dim"],
+                                  rope_parameters={"full_attention": {"rope_type": "default",
+                                                                      "rope_theta": info["rope_base"]},
+                                                   "sliding_attention": {"rope_type": "default",
+                                                                         "rope_theta": 10000.0}})
+        return Gemma3ForCausalLM(config), 1.0
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(
+        **common, head_dim=info["head_dim_swa"], global_head_dim=info["head_dim"],
+        num_global_key_value_heads=info["n_head_kv_global"], attention_k_eq_v=True,
+        hidden_size_per_layer_input=info["n_embd_per_layer"], vocab_size_per_layer_input=info["n_vocab"],
+        num_kv_shared_layers=info["shared_kv_layers"],
+        enable_moe_block=bool(info["n_expert"]), num_experts=info["n_expert"] or None,
+        top_k_experts=info["n_expert_used"] or None, moe_intermediate_size=info["n_ff_exp"] or None,
+        final_logit_softcapping=30.0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": info["rope_base_swa"]},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": info["rope_base"]}})
+    return Gemma4ForCausalLM(config), 0.0
+
+
+def main(argv: list[str]) -> int:
+    names = argv or list(NAMES)
+    for name in names:
+        arch, overrides = TINY_FIXTURES[name.removesuffix("_tiny")]
+        with np.load(FIXTURE_DIR / f"logits_{name}.npz") as data:
+            tokens = data["tokens"].tolist()  # the llama.cpp fixture's tokens
+        with tempfile.TemporaryDirectory() as scratch:
+            info = write_tiny_gguf(Path(scratch) / f"{name}.gguf", arch, seed=0, **overrides)
+            model, shift = model_for(info)
+            missing, unexpected = model.load_state_dict(state_dict(Path(info["path"]), shift), strict=False)
+            buffers = {n for n, _ in model.named_buffers()}
+            if unexpected or set(missing) - buffers:
+                raise SystemExit(f"{name}: state dict mismatch: missing {missing}, unexpected {unexpected}")
+            model.config._attn_implementation = "eager"
+            model.eval()
+            with torch.no_grad():
+                logits = model(torch.tensor([tokens])).logits[0].float().numpy()
+            meta = {"name": f"{name}_hf", "reference": f"transformers {importlib.metadata.version('transformers')} "
+                    f"{type(model).__name__}", "torch": torch.__version__,
+                    "eval": "one forward of the whole token list, float32, eager attention",
+                    "model": {"kind": "tiny_models.write_tiny_gguf", "arch": arch, "seed": 0, "overrides": overrides,
+                              "sha256": sha256_of(Path(info["path"]))},
+                    "tokens": f"those of logits_{name}.npz"}
+            save_fixture(f"{name}_hf", tokens, logits, json.loads(json.dumps(meta)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
