@@ -5,7 +5,7 @@
 
 ``moe`` writes a MoE file of more than 4 GB, loads it in a fresh process and prints the
 process's resident memory after the load and after each of a few batches of decode steps,
-beside the file's size: the experts stay in the file and a step reads only the blocks of the
+beside the file's size (``--memory-cap GiB``: in a memory cgroup smaller than the file): the experts stay in the file and a step reads only the blocks of the
 experts it routes to. ``qwen3moe``: the expert shapes of Qwen3-30B-A3B (width 2048, 128 experts
 of 768, 8 routed per token) cut to 12 layers. ``gemma4``: those of gemma-4-26B-A4B (width 2816,
 sliding layers of 8 KV heads × 256 and global ones of 2 × 512 with K = V, a dense FFN of 2112
@@ -223,7 +223,25 @@ for batch in (1, steps // 4, steps // 2, steps):
 MOE_SHAPES = {"qwen3moe": "qwen3-30b-a3b-cut", "gemma4": "gemma4-26b-a4b-cut"}
 
 
-def moe(out: Path, steps: int, arch: str = "qwen3moe") -> int:
+def memory_capped(command: list[str], limit_bytes: int) -> tuple[list[str], Path]:
+    """``command`` run inside a new memory cgroup holding it to ``limit_bytes`` (cgroup v2's
+    memory.max, or v1's memory.limit_in_bytes; needs root). The page cache the process's reads
+    fill counts against the limit, so a mapped file larger than it must be dropped and read again.
+    Returns the command and the cgroup's directory (removed by the caller once it has run)."""
+    name = f"lmserve-bench-{os.getpid()}"
+    v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory")
+    if (v2 / "cgroup.controllers").is_file() and "memory" in (v2 / "cgroup.controllers").read_text():
+        group, limit_file = v2 / name, "memory.max"
+    elif v1.is_dir():
+        group, limit_file = v1 / name, "memory.limit_in_bytes"
+    else:
+        raise SystemExit("bench.synthetic: --memory-cap needs a cgroup memory controller (and root)")
+    group.mkdir(exist_ok=True)
+    (group / limit_file).write_text(str(limit_bytes))
+    return ["sh", "-c", f'echo $$ > {group / "cgroup.procs"} && exec "$@"', "sh", *command], group
+
+
+def moe(out: Path, steps: int, arch: str = "qwen3moe", memory_cap: float | None = None) -> int:
     import json
     shape = SHAPES[MOE_SHAPES[arch]]
     path = out / f"{arch}-synthetic-Q4_K.gguf"
@@ -233,8 +251,21 @@ def moe(out: Path, steps: int, arch: str = "qwen3moe") -> int:
     print(f"{path.name}: {size / 2**30:.2f} GiB, {shape.n_layer} layers, {shape.n_expert} experts "
           f"({shape.n_expert_used} routed) of width {shape.n_ff_exp or shape.n_ff}", flush=True)
     repo = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "-c", _PROBE, str(path), str(steps)], capture_output=True, text=True,
-                          cwd=repo, check=True)
+    command = [sys.executable, "-c", _PROBE, str(path), str(steps)]
+    group = None
+    if memory_cap:
+        print(f"under a memory cap of {memory_cap:g} GiB (a cgroup): the file's pages are dropped and read again",
+              flush=True)
+        command, group = memory_capped(command, int(memory_cap * 2**30))
+        # pages of the file already cached were charged to whoever read them first, outside the
+        # cap: drop them, so every page the probe maps is read, and charged, under it
+        with open(path, "rb") as fh:
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, cwd=repo, check=True)
+    finally:
+        if group is not None:
+            group.rmdir()
     print(f"{'':28s} {'resident':>12s} {'of the file':>12s} {'seconds':>8s}")
     for line in proc.stdout.splitlines():
         row = json.loads(line)
@@ -250,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--out", default=os.environ.get("TMPDIR", "/tmp"))
     m.add_argument("--steps", type=int, default=100)
     m.add_argument("--arch", default="qwen3moe", choices=sorted(MOE_SHAPES))
+    m.add_argument("--memory-cap", type=float, default=None, metavar="GiB",
+                   help="run the probe in a memory cgroup of this size (root; below the file's size)")
     w = sub.add_parser("write", help="write a file of a named shape")
     w.add_argument("shape", choices=sorted(SHAPES))
     w.add_argument("--type", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
@@ -258,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.command == "moe":
-        return moe(out, args.steps, args.arch)
+        return moe(out, args.steps, args.arch, args.memory_cap)
     started = time.perf_counter()
     path = write(SHAPES[args.shape], Q[args.type], out / f"{args.shape}-synthetic-{args.type}.gguf")
     print(f"{path} ({path.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - started:.0f} s")
