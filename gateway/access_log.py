@@ -20,6 +20,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from gateway import metrics
 from gateway.dialects import dialect_of_path
 from gateway.neutral import (
     Event,
@@ -35,6 +36,8 @@ SCOPE_KEY = "lmserve.access"
 # Probes arrive every few seconds from a proxy or orchestrator; logged only at debug level
 # unless they fail, so they do not drown the requests.
 PROBE_PATHS = {"/health", "/", "/api/hello"}
+# The requests that generate, counted in the metrics (gateway/metrics.py)
+GENERATING_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 # The status logged for a request whose client went away before its reply ended (nginx's
 # "client closed request"); the client never saw a status, whatever the server had begun.
 CLIENT_GONE = 499
@@ -58,6 +61,7 @@ class AccessRecord:
     completion_tokens: int | None = None
     finish: str | None = None
     first_token_at: float | None = None
+    last_token_at: float | None = None
 
     def fields(self, gateway: str, ended: float) -> dict[str, Any]:
         def ms(at: float | None) -> float | None:
@@ -93,8 +97,12 @@ async def observe(scope: dict[str, Any], stream: bool, events: AsyncIterator[Eve
         async for event in events:
             if record is not None:
                 if isinstance(event, (TextDelta, ReasoningDelta, LogprobsDelta)):
+                    now = time.perf_counter()
                     if record.first_token_at is None:
-                        record.first_token_at = time.perf_counter()
+                        record.first_token_at = now
+                    elif record.method == "POST":
+                        metrics.record_gap(dialect_of_path(record.path) or "-", now - record.last_token_at)
+                    record.last_token_at = now
                 elif isinstance(event, Started):
                     record.prompt_tokens = event.prompt_tokens
                 elif isinstance(event, Finish):
@@ -149,5 +157,7 @@ class AccessLogMiddleware:
 
     def _write(self, record: AccessRecord) -> None:
         fields = record.fields(self.gateway, time.perf_counter())
+        if record.method == "POST" and record.path in GENERATING_PATHS:
+            metrics.record_request(fields)
         quiet = record.path in PROBE_PATHS and (record.status or 500) < 400
         log.log(logging.DEBUG if quiet else logging.INFO, text_line(fields), extra={"fields": fields})

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from gateway import access_log, sse
+from gateway import access_log, metrics, sse
 from gateway.access_log import AccessLogMiddleware
 from gateway.dialects import anthropic_messages, openai_chat, openai_completions, openai_responses
 from gateway.edge import EdgeMiddleware, EdgeSettings
@@ -246,6 +246,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def model(model_id: str) -> Response:
         body = models_body(gateway.view(), started_at)["data"][0]
         return JSONResponse({**body, "id": model_id})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.get("/health")
     async def health() -> Response:

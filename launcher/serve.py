@@ -19,15 +19,18 @@ import argparse
 import http.client
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 from gateway.access_log import GATEWAY_HEADER
 from gateway.hosts import is_loopback
+from gateway.metrics import MULTIPROCESS_ENV
 from gateway.flags import build_parser as gateway_parser
 from launcher.flags import build_parser, to_argv
 from shared.command_line import env_name
@@ -87,6 +90,8 @@ class Stack:
     seen_gateways: set[str] = field(default_factory=set)  # ids of gateways that answered 200
     bar: ProgressBar | None = None
     selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
+    # the gateways' shared metrics files (gateway/metrics.py), removed when the stack ends
+    metrics_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="lmserve-metrics-"))
 
     # --- starting ---------------------------------------------------------------------------
 
@@ -105,6 +110,8 @@ class Stack:
         # Gateways start at once: they answer 503 while the worker loads and find it by themselves.
         # The API key travels in the environment: a command line is visible to every local user.
         gateway_env = {**os.environ, env_name("--api-key"): self.args.api_key or ""}
+        # gateways sharing the port keep their metrics in one directory, and each reports the sum
+        gateway_env[MULTIPROCESS_ENV] = self.metrics_dir
         gateway_argv = to_argv(gateway_parser(), self.args, skip=lambda a: a.dest == "api_key")
         for i in range(self.args.gateways):
             self.children.append(Child(f"gateway {i + 1}", subprocess.Popen(
@@ -290,8 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     stack = Stack(args)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, stack.request_stop)
-    stack.start()
-    return stack.run()
+    try:
+        stack.start()
+        return stack.run()
+    finally:
+        shutil.rmtree(stack.metrics_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "tokenizer.json, and config.json or nanochat's meta_*.json)")
 
 
+def metrics_host(endpoint: str) -> str:
+    """Where the worker's metrics listen: the host its tcp endpoint binds (a wildcard as all
+    addresses), loopback for any other transport."""
+    if not endpoint.startswith("tcp://"):
+        return "127.0.0.1"
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return "0.0.0.0" if host in ("*", "") else host
+
+
 def model_argument(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
     """The model the flags name: --nanochat's directory, or the positional model (a GGUF file,
     a known name, or a checkpoint directory too). --nanochat is folded into ``args.model``."""
@@ -50,6 +59,9 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", choices=("borrow",), default="borrow",
                    help="how mixture-of-experts weights are held: 'borrow' (the only mode) reads them "
                         "in place from the memory-mapped file, only the routed experts' blocks")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve the worker's Prometheus metrics on this port (0: not at all), on the host of "
+                        "the worker's tcp endpoint (loopback for ipc)")
     p.add_argument("--queue", type=int, default=16, help="max queued requests before 429")
     p.add_argument("--batch", type=int, default=1,
                    help="lockstep-decode up to N requests together (raises --kv-slots to N)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance as llg
@@ -20,6 +21,7 @@ import numpy as np
 from shared.errors import InvalidRequestError
 from shared.protocol import Grammar
 from shared.tokenizer import Tokenizer
+from worker import metrics
 
 KINDS = ("json_schema", "json_object", "regex", "lark", "llguidance")
 # Compact JSON with at most a little whitespace: a small model left free to emit whitespace can
@@ -129,7 +131,14 @@ class GrammarEngine:
 
     def compile_matcher(self, grammar: Grammar) -> "Future[llg.LLMatcher]":
         """Compile on the pool; the future holds the matcher or raises InvalidRequestError."""
-        return self.pool.submit(lambda: self.matcher(self.compile(grammar.kind, grammar.source)))
+        def compiled() -> llg.LLMatcher:
+            started = time.perf_counter()
+            try:
+                return self.matcher(self.compile(grammar.kind, grammar.source))
+            finally:
+                metrics.GRAMMAR_COMPILE.observe(time.perf_counter() - started)
+
+        return self.pool.submit(compiled)
 
     def masks(self, matchers: list[llg.LLMatcher]) -> np.ndarray:
         """Allowed-token masks [len(matchers), n_vocab] (bool), computed in one parallel call."""

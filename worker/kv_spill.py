@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from kvstore.chunks import chunk_keys
 from kvstore.store import KVChunk, KVStore
+from worker import metrics
 from worker.engine.kv_cache import KVCache
 
 log = logging.getLogger("lmserve.kvstore")
@@ -75,6 +76,10 @@ class KVSpiller:
             cache.restore(start, chunk.keys, chunk.values, prompt[start:start + self.chunk_tokens])
             length = start + self.chunk_tokens
             self.stats.chunks_restored += 1
+            metrics.KV_CHUNKS.labels("restored").inc()
+            metrics.KV_BYTES.labels("restored").inc(chunk.keys.nbytes + chunk.values.nbytes)
+        if available < len(usable):
+            metrics.KV_CHUNKS.labels("missed").inc()
         return length
 
     # --- spill (engine thread copies, writer thread stores) ----------------------------------
@@ -92,6 +97,7 @@ class KVSpiller:
                     continue
                 if self._pending_bytes + size > self.max_pending_bytes:
                     self.stats.chunks_dropped += len(keys) - index
+                    metrics.KV_CHUNKS.labels("dropped").inc(len(keys) - index)
                     break
                 self._pending_bytes += size
                 self._in_flight.add(keys[index])
@@ -109,6 +115,8 @@ class KVSpiller:
             try:
                 self.store.put(key, *chunk.encode())
                 self.stats.chunks_written += 1
+                metrics.KV_CHUNKS.labels("written").inc()
+                metrics.KV_BYTES.labels("spilled").inc(chunk.keys.nbytes + chunk.values.nbytes)
             finally:
                 with self._lock:
                     self._pending_bytes -= chunk.keys.nbytes + chunk.values.nbytes

@@ -15,8 +15,9 @@ from shared.chat_template import ChatTemplate
 from shared.errors import LmserveError
 from shared.load_progress import ProgressBar, StatusWriter
 from shared.memory import fix_mmap_threshold
+from worker import metrics
 from worker.engine import Engine, kernels
-from worker.flags import build_parser, check_worker_flags, model_argument
+from worker.flags import build_parser, check_worker_flags, metrics_host, model_argument
 from worker.kv_spill import KVSpiller
 from worker.scheduler import SchedulerSettings, resident_slot_count
 from worker.scripted import ScriptedReplies
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         if scripted is not None:
             log.warning("scripted replies from %s: answers are replayed, not sampled (a test setup)",
                         args.scripted_replies)
+        if args.metrics_port:
+            metrics.serve(args.metrics_port, metrics_host(args.worker))
         kv_slots = resident_slot_count(args.kv_slots, args.batch)
         ctx = args.ctx or context_budget(engine, kv_slots, available_memory(), log)
         spiller = _spiller(args, engine, ctx)

@@ -34,6 +34,7 @@ from shared.protocol import (
     Tokens,
 )
 from shared.sampling_params import SamplingParams
+from worker import metrics
 from worker.engine import kernels
 from worker.engine import Engine
 from worker.engine.sampling import Sampler
@@ -108,6 +109,8 @@ class Scheduler:
         self.streams: dict[tuple[bytes, str], Stream] = {}
         self.stopping = False
         self.steps = 0  # forward passes run, for tests and stats
+        metrics.watch_scheduler(lambda: len(self.waiting), lambda: len(self.running),
+                                lambda: sum(slot.cache.length > 0 for slot in self.pool.slots), len(self.pool.slots))
 
     # --- called from the IO thread --------------------------------------------------------------
 
@@ -291,7 +294,12 @@ class Scheduler:
                 batch.append((stream, [stream.next_token]))
         if not batch:
             return
+        started = time.perf_counter()
         results = self._forward(batch)
+        metrics.STEP.observe(time.perf_counter() - started)
+        metrics.BATCH.observe(len(batch))
+        for stream, tokens in batch:
+            metrics.STEP_TOKENS.labels("prefill" if stream.pending else "decode").inc(len(tokens))
         self.steps += 1
         sampling: list[tuple[Stream, np.ndarray]] = []
         for (stream, tokens), logits in zip(batch, results):

@@ -51,7 +51,9 @@ def test_dockerfile_builds_one_image_whose_command_picks_the_role(monkeypatch):
 
 def test_compose_has_redis_worker_scalable_gateways_and_nginx():
     services = compose()["services"]
-    assert set(services) == {"redis", "worker", "gateway", "nginx"}
+    assert set(services) == {"redis", "worker", "gateway", "nginx", "prometheus", "grafana"}
+    # the metrics services run only with --profile metrics
+    assert {name for name, s in services.items() if s.get("profiles")} == {"prometheus", "grafana"}
     redis = services["redis"]
     assert redis["image"].startswith("redis:")
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
@@ -254,3 +256,55 @@ def test_services_select_their_pods_and_the_ingress_streams():
 def test_parse_command_catches_what_a_role_does_not_know(command, env, monkeypatch):
     with pytest.raises(AssertionError):
         parse_command(shlex.split(command), env, monkeypatch)
+
+
+# --- metrics: Prometheus scrape config and the Grafana dashboard --------------------------------
+
+def _series_names() -> set[str]:
+    """Every series the gateways and the worker expose, with the suffixes the library adds."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from gateway import metrics as gateway_metrics
+    from worker import metrics as worker_metrics
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    return {family.name + suffix
+            for module in (gateway_metrics, worker_metrics) for value in vars(module).values()
+            if isinstance(value, MetricWrapperBase)
+            for family in value.describe() for suffix in suffixes[family.type]}
+
+
+def test_the_dashboard_queries_series_that_exist():
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "lmserve.json").read_text())
+    known = _series_names()
+    used = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            used |= set(re.findall(r"\blmserve_[a-z_]+", target["expr"]))
+    assert used and used <= known, used - known
+    # every series is on some panel
+    assert {name.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum") for name in known} <= {
+        name.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum") for name in used}
+
+
+def test_prometheus_scrapes_the_ports_the_roles_serve_metrics_on(monkeypatch):
+    import yaml
+
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    services = compose()["services"]
+    worker_role, worker_args = parse_command(services["worker"]["command"], _compose_env(services["worker"]),
+                                             monkeypatch)
+    assert jobs["lmserve-worker"]["static_configs"][0]["targets"] == [f"worker:{worker_args.metrics_port}"]
+    _, gateway_args = parse_command(services["gateway"]["command"], _compose_env(services["gateway"]), monkeypatch)
+    assert jobs["lmserve-gateway"]["dns_sd_configs"][0] == {"names": ["gateway"], "type": "A",
+                                                            "port": gateway_args.port}
+    provisioning = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    assert provisioning["datasources"][0]["url"] == "http://prometheus:9090"
+    for document in kubernetes_documents():
+        template = document.get("spec", {}).get("template", {})
+        annotations = template.get("metadata", {}).get("annotations", {})
+        if annotations.get("prometheus.io/scrape") == "true":
+            [container] = template["spec"]["containers"]
+            ports = {port["containerPort"] for port in container["ports"]}
+            assert int(annotations["prometheus.io/port"]) in ports, document["metadata"]["name"]

@@ -156,6 +156,20 @@ def test_two_gateways_a_progress_bar_and_a_drained_shutdown(serve_factory, defau
             break
     assert answered == gateways
 
+    # the two share their metrics: each one scraped answers with the count of both
+    for _ in range(4):
+        assert httpx.post(served.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).status_code == 200
+    scraped = {}
+    for _ in range(200):
+        response = httpx.get(served.url + "/metrics", timeout=10)
+        requests = sum(float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
+                       if line.startswith("lmserve_requests_total{"))
+        scraped[int(response.headers["x-lmserve-gateway"].rsplit(":", 1)[1])] = requests
+        if set(scraped) == gateways:
+            break
+    assert scraped == dict.fromkeys(gateways, 4.0)
+
     # Ctrl-C while a stream is in flight: the stream still ends properly, then everything stops
     children = served.children()
     body = {"messages": [{"role": "user", "content": "Tell me about Paris."}], "max_tokens": 24,
