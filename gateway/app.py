@@ -8,19 +8,22 @@ whole or as SSE.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
-from gateway import access_log, metrics, sse
+from gateway import access_log, metrics, openapi, sse
 from gateway.access_log import AccessLogMiddleware
 from gateway.dialects import anthropic_messages, openai_chat, openai_completions, openai_responses
 from gateway.edge import EdgeMiddleware, EdgeSettings
@@ -51,6 +54,7 @@ class GatewaySettings:
     heartbeat_timeout: float = 6.0
     max_buffered: int = 4096  # unread replies per request before a slow reader is cut off
     drain_timeout: float = 30.0  # on shutdown, seconds in-flight replies get before they are cut
+    docs: bool = True  # serve /openapi.json and /docs
 
 
 class Gateway:
@@ -174,6 +178,18 @@ def models_body(view: ModelView, created: int) -> dict[str, Any]:
     return {"object": "list", "data": [entry], "has_more": False, "first_id": model_id, "last_id": model_id}
 
 
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("lmserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was not installed
+        return "0+source"
+
+
+VERSION = package_version()
+# The playground (GET / from a browser): one static page that talks to the API like any client.
+PLAYGROUND = (Path(__file__).parent / "static" / "playground.html").read_text(encoding="utf-8")
+
+
 def create_app(settings: GatewaySettings) -> FastAPI:
     gateway = Gateway(settings)
     started_at = int(time.time())
@@ -260,8 +276,20 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return JSONResponse({"status": "ok", "model": gateway.client.card.model_id,
                              "worker": {"waiting": waiting, "running": running}})
 
+    if settings.docs:
+        @app.get("/openapi.json")
+        async def openapi_document() -> Response:
+            return JSONResponse(openapi.document(VERSION))
+
+        @app.get("/docs")
+        async def openapi_page() -> Response:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="lmserve API")
+
     @app.api_route("/", methods=["GET", "HEAD"])
-    async def root() -> Response:
+    async def root(request: Request) -> Response:
+        # a browser gets the playground; probes and API clients the status they always got
+        if "text/html" in request.headers.get("accept", ""):
+            return HTMLResponse(PLAYGROUND)
         return JSONResponse({"status": "ok"})
 
     @app.api_route("/api/hello", methods=["GET", "HEAD"])

@@ -19,7 +19,8 @@ from shared.errors import (
     PermissionDeniedError,
 )
 
-OPEN_PATHS = {"/health", "/", "/api/hello"}  # probes: no key needed
+# probes, the playground page and the API's description: no key needed (the page asks for one)
+OPEN_PATHS = {"/health", "/", "/api/hello", "/openapi.json", "/docs"}
 SINGLE_HEADERS = {"host", "authorization", "x-api-key"}  # a guard reads them; twice is refused
 @dataclass
 class EdgeSettings:

@@ -25,6 +25,8 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
                    help="replies a request may hold unread before its slow reader is cut off")
     p.add_argument("--ping-interval", type=float, default=10.0,
                    help="seconds of silence before an SSE keep-alive while a prompt is read")
+    p.add_argument("--no-docs", action="store_true",
+                   help="serve neither the OpenAPI document (/openapi.json) nor its page (/docs)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on shutdown, seconds in-flight requests get to finish; a reply still running is then "
                         "cut with an error in its dialect")

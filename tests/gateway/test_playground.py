@@ -1,0 +1,120 @@
+"""The playground page (GET / from a browser) driven in headless Chromium (Debian's chromium and
+chromium-driver, through Selenium): a message in each dialect streams into the page, tokens
+showing before the reply ends, with the reply's token counts and speed under it; behind
+--api-key it works once the key is typed in. A screenshot is saved (LMSERVE_SCREENSHOT names
+where, for the README's)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+DIALECTS = ("chat", "responses", "anthropic")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if shutil.which("chromium") is None or shutil.which("chromedriver") is None:
+        pytest.fail("chromium and chromedriver are not installed (Debian packages chromium and chromium-driver; "
+                    ".ci/run installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,800"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    yield driver
+    driver.quit()
+
+
+def wait_for(predicate, timeout: float = 60.0, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("timed out waiting for the page")
+
+
+def send(browser, text: str) -> dict:
+    """Type a message, send it, and watch the reply stream in: what was seen mid-stream and at
+    the end."""
+    from selenium.webdriver.common.by import By
+
+    replies_before = len(browser.find_elements(By.CSS_SELECTOR, ".reply"))
+    prompt = browser.find_element(By.ID, "prompt")
+    prompt.clear()
+    prompt.send_keys(text)
+    browser.find_element(By.ID, "send").click()
+    wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".reply")) > replies_before)
+    reply = browser.find_elements(By.CSS_SELECTOR, ".reply")[-1]
+    seen_while_streaming = ""
+    while browser.find_element(By.TAG_NAME, "body").get_attribute("data-streaming") == "yes":
+        current = reply.find_element(By.CSS_SELECTOR, ".text").text
+        if current and not seen_while_streaming:
+            seen_while_streaming = current
+        time.sleep(0.01)
+    return {"partial": seen_while_streaming, "text": reply.find_element(By.CSS_SELECTOR, ".text").text,
+            "stats": reply.find_element(By.CSS_SELECTOR, ".stats").text}
+
+
+def test_each_dialect_streams_into_the_page(browser, stack, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    browser.get(stack.url + "/")
+    wait_for(lambda: "tokens of context" in browser.find_element(By.ID, "model").text)
+    max_tokens = browser.find_element(By.ID, "max-tokens")
+    max_tokens.clear()
+    max_tokens.send_keys("48")
+    browser.find_element(By.ID, "keep").click()  # each message on its own
+    for dialect in DIALECTS:
+        Select(browser.find_element(By.ID, "dialect")).select_by_value(dialect)
+        seen = send(browser, "Tell me about Paris in three sentences.")
+        assert seen["partial"] and seen["text"].startswith(seen["partial"]) and len(seen["text"]) > len(seen["partial"]), \
+            (dialect, seen)
+        for part in ("prompt ", "cached ", "completion ", "tok/s", "TTFT "):
+            assert part in seen["stats"], (dialect, seen["stats"])
+    screenshot = Path(os.environ.get("LMSERVE_SCREENSHOT") or tmp_path / "playground.png")
+    browser.save_screenshot(str(screenshot))
+    assert screenshot.stat().st_size > 10_000
+
+
+def test_a_regex_holds_the_reply(browser, stack):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    browser.get(stack.url + "/")
+    wait_for(lambda: "tokens of context" in browser.find_element(By.ID, "model").text)
+    Select(browser.find_element(By.ID, "dialect")).select_by_value("anthropic")
+    Select(browser.find_element(By.ID, "constraint")).select_by_value("regex")
+    source = browser.find_element(By.ID, "constraint-source")
+    source.send_keys("(yes|no), [a-z]{1,12}\\.")
+    seen = send(browser, "Is Paris in France?")
+    import re
+    assert re.fullmatch(r"(yes|no), [a-z]{1,12}\.", seen["text"]), seen
+
+
+def test_behind_an_api_key_the_page_asks_for_it(browser, stack_worker, start_gateway):
+    from selenium.webdriver.common.by import By
+
+    gateway = start_gateway(stack_worker, "--api-key", "sesame")
+    assert httpx.get(gateway.url + "/", headers={"accept": "text/html"}, timeout=10).status_code == 200
+    browser.get(gateway.url + "/")
+    browser.execute_script("localStorage.clear()")
+    browser.refresh()
+    wait_for(lambda: "not ready" in browser.find_element(By.ID, "model").text)
+    key = browser.find_element(By.ID, "key")
+    key.send_keys("sesame")
+    browser.find_element(By.ID, "temperature").click()  # leaving the field commits it
+    wait_for(lambda: "tokens of context" in browser.find_element(By.ID, "model").text)
+    seen = send(browser, "Hello!")
+    assert seen["text"] and "completion " in seen["stats"]
