@@ -118,3 +118,45 @@ def test_behind_an_api_key_the_page_asks_for_it(browser, stack_worker, start_gat
     wait_for(lambda: "tokens of context" in browser.find_element(By.ID, "model").text)
     seen = send(browser, "Hello!")
     assert seen["text"] and "completion " in seen["stats"]
+
+
+THOUGHT = "I should call the tool."
+WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TOOLS = '[{"name": "get_weather", "description": "Weather of a city", "parameters": {"type": "object", ' \
+        '"properties": {"city": {"type": "string"}}, "required": ["city"]}}]'
+
+
+@pytest.fixture(scope="module")
+def scripted_qwen(tmp_path_factory, start_worker, start_gateway):
+    """The tiny qwen3 (Hermes calls, think tags) replying from a script."""
+    import json
+
+    from tiny_models import write_tiny_gguf
+
+    folder = tmp_path_factory.mktemp("playground-qwen3")
+    write_tiny_gguf(folder / "tiny-qwen3.gguf", "qwen3", context_length=2048)
+    script = folder / "replies.json"
+    script.write_text(json.dumps([{"when": "[[call-weather]]", "text": f"<think>\n{THOUGHT}\n</think>\n\n{WEATHER_CALL}"},
+                                  {"text": "There is no script for this."}]), encoding="utf-8")
+    return start_gateway(start_worker(folder / "tiny-qwen3.gguf", "--scripted-replies", str(script), "--ctx", "2048"))
+
+
+def test_reasoning_and_tool_calls_get_blocks_of_their_own(browser, scripted_qwen):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    browser.get(scripted_qwen.url + "/")
+    browser.execute_script("localStorage.clear()")
+    browser.refresh()
+    wait_for(lambda: "tokens of context" in browser.find_element(By.ID, "model").text)
+    browser.find_element(By.ID, "reasoning").click()
+    browser.find_element(By.ID, "keep").click()
+    browser.find_element(By.ID, "tools").send_keys(TOOLS)
+    for dialect in DIALECTS:
+        Select(browser.find_element(By.ID, "dialect")).select_by_value(dialect)
+        send(browser, "What is the weather in Paris? [[call-weather]]")
+        reply = browser.find_elements(By.CSS_SELECTOR, ".reply")[-1]
+        assert reply.find_element(By.CSS_SELECTOR, ".reasoning-text").text == THOUGHT, dialect
+        call = reply.find_element(By.CSS_SELECTOR, ".call").text
+        assert call.startswith("tool call · get_weather") and '"city"' in call and "Paris" in call, (dialect, call)
+        assert reply.find_element(By.CSS_SELECTOR, ".text").text == "", dialect  # no text beside the call
