@@ -18,6 +18,7 @@ from gateway.neutral import (
     LogprobsDelta,
     NeutralRequest,
     Ping,
+    PromptLogprobs,
     ReasoningDelta,
     Started,
     TextDelta,
@@ -116,12 +117,15 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
     view.check_fits(len(prompt))
     room = view.context_budget - len(prompt)
     max_tokens = min(request.max_tokens, room) if request.max_tokens else room
+    if request.max_tokens == 0 and request.prompt_logprobs is not None:
+        max_tokens = 0  # the prompt scored, nothing generated
     # A forced call's grammar, or the format the client asked for (plan refuses both at once).
     grammar = tools.grammar or request.grammar
     worker_request = Generate(client.new_request_id(), prompt, request.sampling, max_tokens,
                               grammar=Grammar(**grammar) if grammar is not None else None,
                               grammar_after_reasoning=grammar is not None and request.grammar_after_reasoning,
-                              cache_hint=request.cache_hint, stop_ids=[] if request.ignore_eos else None)
+                              cache_hint=request.cache_hint, stop_ids=[] if request.ignore_eos else None,
+                              prompt_logprobs=-1 if request.prompt_logprobs is None else request.prompt_logprobs)
     tokenizer = view.tokenizer
     decoder = tokenizer.incremental_decoder(skip_special=True)
     reply = ReplyText(
@@ -159,6 +163,11 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
             elif isinstance(message, Tokens):
                 if message.cached_tokens is not None:
                     usage.cached_tokens = message.cached_tokens
+                if message.prompt_logprobs is not None:
+                    yield PromptLogprobs(_prompt_logprob_items(tokenizer, prompt, message.prompt_logprobs))
+                    if not message.ids:
+                        pending = asyncio.ensure_future(stream.__anext__())
+                        continue
                 usage.completion_tokens += len(message.ids)
                 if reply.splitter.inside:
                     reasoning_tokens += len(message.ids)
@@ -275,6 +284,24 @@ class ReplyText:
         return list(self.parser.push(text))
 
 
+def _prompt_logprob_items(tokenizer, prompt: list[int], scores: list[list]) -> list[TokenLogprob]:
+    """The prompt's tokens with their scores. Each token's text is what it adds to the prompt
+    decoded as a whole (control tokens none, a token ending inside a character none until the
+    character is whole), so the texts join into the echoed prompt and their offsets fall on it."""
+    decoder = tokenizer.incremental_decoder(skip_special=True)
+    items = []
+    for token_id, (logprob, top) in zip(prompt, scores):
+        alternatives = []
+        for alt, alt_logprob in top:
+            raw = tokenizer.token_bytes(int(alt))
+            alternatives.append((raw.decode("utf-8", errors="replace"), float(alt_logprob), list(raw)))
+        items.append(TokenLogprob(decoder.push(token_id), logprob, list(tokenizer.token_bytes(token_id)),
+                                  alternatives))
+    if items:
+        items[-1].token += decoder.flush()
+    return items
+
+
 def _logprob_items(tokenizer, message: Tokens) -> list[TokenLogprob]:
     items = []
     for position, token_id in enumerate(message.ids):
@@ -296,6 +323,7 @@ class Completion:
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] | None = None
         self.calls: list[ToolCallEnd] = []
         self.prompt_tokens = 0
         self.finish: Finish | None = None
@@ -315,6 +343,8 @@ class Completion:
             self.reasoning.append(event.text)
         elif isinstance(event, LogprobsDelta):
             self.logprobs.extend(event.items)
+        elif isinstance(event, PromptLogprobs):
+            self.prompt_logprobs = event.items
         elif isinstance(event, ToolCallEnd):
             self.calls.append(event)
         elif isinstance(event, Started):

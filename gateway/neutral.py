@@ -17,7 +17,8 @@ class NeutralRequest:
     dialect: str  # one of gateway.dialects: CHAT, RESPONSES, ANTHROPIC
     model: str  # echoed back as the caller sent it
     messages: list[dict[str, Any]]  # chat-template messages: role, content (str), tool_calls, …
-    max_tokens: int | None = None  # None: up to the context budget
+    max_tokens: int | None = None  # None: up to the context budget; 0 only with prompt_logprobs
+    prompt_logprobs: int | None = None  # score the prompt too, with this many alternatives per token
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     tools: list[dict[str, Any]] = field(default_factory=list)  # {"type":"function","function":{…}}
@@ -73,13 +74,20 @@ class ReasoningDelta:
 @dataclass
 class TokenLogprob:
     token: str
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token (PromptLogprobs)
     bytes: list[int]
     top: list[tuple[str, float, list[int]]]
 
 
 @dataclass
 class LogprobsDelta:
+    items: list[TokenLogprob]
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt's own tokens, scored (a request with ``prompt_logprobs``): the first one has
+    no logprob (nothing predicts it); control tokens carry empty text, as the echoed prompt does."""
     items: list[TokenLogprob]
 
 
@@ -131,5 +139,5 @@ class Finish:
     error: str | None = None
 
 
-Event = (TextDelta | ReasoningDelta | LogprobsDelta | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd
+Event = (TextDelta | ReasoningDelta | LogprobsDelta | PromptLogprobs | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd
          | Ping | Started | Finish)

@@ -202,6 +202,9 @@ class Generate(Message):
     grammar_after_reasoning: bool = False
     cartridge_ids: list[str] = field(default_factory=list)
     cache_hint: str | None = None  # a session id for slot affinity
+    # >= 0: score the prompt too, each token's logprob with this many alternatives (the prompt is
+    # then computed whole, and max_tokens may be 0); -1: not
+    prompt_logprobs: int = -1
 
     def body(self) -> dict[str, Any]:
         data = asdict(self)
@@ -266,6 +269,9 @@ class Tokens(Message):
     logprobs: list[float] | None = None
     top_logprobs: list[list[list[float]]] | None = None  # per token: [[id, logprob], ...]
     cached_tokens: int | None = None  # on a stream's first TOKENS: prompt tokens reused from cache
+    # once, before any generated token, for a request with prompt_logprobs: per prompt token
+    # [logprob, [[id, logprob], ...]] (the first token's logprob None: nothing predicts it)
+    prompt_logprobs: list[list[Any]] | None = None
 
 
 @dataclass

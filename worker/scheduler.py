@@ -49,6 +49,9 @@ log = logging.getLogger("lmserve.worker")
 Sender = Callable[[bytes, Message], None]
 
 
+MAX_PROMPT_ALTERNATIVES = 20  # alternatives per scored prompt token, as for generated ones
+
+
 def resident_slot_count(kv_slots: int, batch: int) -> int:
     """Resident KV caches: --kv-slots, raised to --batch, since every stream of a batch holds one."""
     return max(kv_slots, batch)
@@ -84,6 +87,8 @@ class Stream:
     aborted: str | None = None  # why the stream was aborted, once it is
     matcher: Any = None  # an llguidance matcher when the request carries a grammar
     grammar_active: bool = False  # False while a reasoning block must end first
+    # with prompt_logprobs: each prompt token's [logprob, alternatives] so far (None: not asked)
+    scores: list[list[Any]] | None = None
 
     @property
     def key(self) -> tuple[bytes, str]:
@@ -221,7 +226,10 @@ class Scheduler:
         ids = np.asarray(prompt)
         if ids.min() < 0 or ids.max() >= n_vocab:
             raise InvalidRequestError(f"prompt token ids must lie in 0..{n_vocab - 1}")
-        if request.max_tokens < 1:
+        if not -1 <= request.prompt_logprobs <= MAX_PROMPT_ALTERNATIVES:
+            raise InvalidRequestError(f"prompt_logprobs must lie in 0..{MAX_PROMPT_ALTERNATIVES} (or -1: none)")
+        # a prompt may be scored and nothing generated (how evaluation harnesses score text)
+        if request.max_tokens < (0 if request.prompt_logprobs >= 0 else 1):
             raise InvalidRequestError("max_tokens must be at least 1")
         if len(prompt) >= self.settings.ctx:
             raise InvalidRequestError(
@@ -235,7 +243,8 @@ class Scheduler:
         stop_ids = set(request.stop_ids) if request.stop_ids is not None else set(self.engine.tokenizer.stop_ids)
         script = self.settings.scripted_replies
         sampler = script.sampler(params, prompt) if script is not None else Sampler(params, prompt)
-        return Stream(gateway, request, params, sampler, stop_ids)
+        return Stream(gateway, request, params, sampler, stop_ids,
+                      scores=[[None, []]] if request.prompt_logprobs >= 0 else None)
 
     # --- the engine thread ------------------------------------------------------------------------
 
@@ -264,7 +273,10 @@ class Scheduler:
                 stream.slot = choice.slot
             # restoring reads the kvstore: done outside the lock so admission answers never wait
             cached = choice.reused_tokens
-            if self.spiller is not None:
+            if stream.scores is not None:  # every prompt position's logits are needed: compute all
+                cached = 0
+                stream.slot.cache.truncate(0)
+            elif self.spiller is not None:
                 try:
                     cached = self.spiller.restore(stream.slot.cache, stream.request.prompt, cached)
                 except Exception:
@@ -295,7 +307,13 @@ class Scheduler:
         if not batch:
             return
         started = time.perf_counter()
-        results = self._forward(batch)
+        # a prompt being scored needs the logits of all its rows: it goes through a pass of its own
+        scored = [(s, toks) for s, toks in batch if s.scores is not None and s.pending]
+        plain = [(s, toks) for s, toks in batch if not (s.scores is not None and s.pending)]
+        by_stream = dict(zip((id(s) for s, _ in plain), self._forward(plain) if plain else []))
+        for stream, tokens in scored:
+            by_stream[id(stream)] = self._score(stream, tokens)
+        results = [by_stream[id(s)] for s, _ in batch]
         metrics.STEP.observe(time.perf_counter() - started)
         metrics.BATCH.observe(len(batch))
         for stream, tokens in batch:
@@ -310,6 +328,13 @@ class Scheduler:
                 self._spill_filled(stream, len(tokens))
                 if stream.pending:
                     continue  # more prompt to read before the first token
+            if stream.scores is not None:
+                self.send(stream.gateway, Tokens(stream.request.request_id, [], cached_tokens=0,
+                                                 prompt_logprobs=stream.scores))
+                stream.scores = None
+                if stream.request.max_tokens == 0:
+                    self._finish(stream, FinishReason.LENGTH)
+                    continue
             sampling.append((stream, logits))
         masks = self._masks([s for s, _ in sampling])
         for stream, logits in sampling:
@@ -372,6 +397,31 @@ class Scheduler:
                 self._finish(stream, FinishReason.ERROR, "the engine failed on this request")
                 results.append(None)
         return results
+
+    def _score(self, stream: Stream, tokens: list[int]) -> np.ndarray | None:
+        """A prompt chunk's pass with the logits of every row: each row scores the prompt token
+        after it (its logprob and the best alternatives go to ``stream.scores``). Returns the
+        last row's logits, which go on to the first generated token."""
+        try:
+            rows = self.engine.model.forward([(stream.slot.cache, tokens)], all_logits=True)[0]
+        except Exception:
+            log.exception("forward pass failed for %s", stream.request.request_id)
+            self._finish(stream, FinishReason.ERROR, "the engine failed on this request")
+            return None
+        prompt, k = stream.request.prompt, stream.request.prompt_logprobs
+        start = len(prompt) - len(stream.pending)  # the chunk's first position in the prompt
+        wide = rows.astype(np.float64)
+        peak = wide.max(axis=1, keepdims=True)
+        logprobs = wide - (peak + np.log(np.exp(wide - peak).sum(axis=1, keepdims=True)))
+        for j in range(len(tokens)):
+            target = start + j + 1
+            if target >= len(prompt):
+                break  # the last row predicts the first generated token, not a prompt one
+            row = logprobs[j]
+            top = np.argpartition(-row, k)[:k] if k else np.zeros(0, dtype=np.int64)
+            top = top[np.argsort(-row[top], kind="stable")]
+            stream.scores.append([float(row[prompt[target]]), [[int(i), float(row[i])] for i in top]])
+        return rows[-1]
 
     def _emit(self, stream: Stream, logits: np.ndarray, allowed: np.ndarray | None = None) -> None:
         request = stream.request

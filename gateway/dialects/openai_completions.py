@@ -4,7 +4,10 @@ send raw prompts are answered.
 
 One prompt and one choice per request (``n`` and ``best_of`` 1). ``logprobs`` is the legacy
 integer (0 to 5 alternatives) and comes back in the legacy shape (tokens, token_logprobs,
-top_logprobs, text_offset). ``echo`` puts the prompt's text before the completion. ``suffix``
+top_logprobs, text_offset). ``echo`` puts the prompt's text before the completion; with
+``logprobs`` too, the prompt's tokens are scored and come first in the logprobs (the first one's
+logprob null), and ``max_tokens: 0`` scores a text without continuing it (how evaluation
+harnesses ask for log-likelihoods). ``suffix``
 makes the request a fill-in-the-middle one (``ModelView.text_prompt_ids`` lays it out): the
 completion is the text between the prompt and the suffix. It needs a model whose vocabulary has
 the FIM tokens (``Tokenizer.fim_ids``); elsewhere it is refused rather than ignored.
@@ -28,7 +31,17 @@ from gateway.dialects.common import (
 )
 from gateway.errors import sse_error_payload
 from gateway.generation import Completion
-from gateway.neutral import Event, Finish, LogprobsDelta, NeutralRequest, Ping, TextDelta, TokenLogprob, Usage
+from gateway.neutral import (
+    Event,
+    Finish,
+    LogprobsDelta,
+    NeutralRequest,
+    Ping,
+    PromptLogprobs,
+    TextDelta,
+    TokenLogprob,
+    Usage,
+)
 from gateway.prompting import ModelView
 from gateway.request_fields import check_type, field, number_in, reject_unknown
 from shared.errors import InvalidRequestError, LmserveError
@@ -66,7 +79,9 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
     echo = bool(field(body, "echo", bool, default=False))
     stream_options = field(body, "stream_options", dict, default={})
     sampling = openai_sampling(body, view, logprobs is not None, logprobs or 0)
-    max_tokens = max_tokens_field(body, "max_tokens")
+    # max_tokens 0 with echo: the prompt alone, scored (its logprobs computed either way)
+    scoring_only = echo and field(body, "max_tokens", int) == 0
+    max_tokens = 0 if scoring_only else max_tokens_field(body, "max_tokens")
     return NeutralRequest(
         dialect=COMPLETIONS,
         model=field(body, "model", str, default=view.model_id),
@@ -79,6 +94,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         stream=bool(field(body, "stream", bool, default=False)),
         ignore_eos=bool(field(body, "ignore_eos", bool, default=False)),
         grammar=grammar_extension(body),
+        prompt_logprobs=(logprobs or 0) if echo and (logprobs is not None or scoring_only) else None,
         echo=CompletionsEcho(
             (prompt if isinstance(prompt, str) else view.tokenizer.decode(prompt, skip_special=True)) if echo else None,
             logprobs, bool(field(stream_options, "include_usage", bool, "stream_options", default=False))),
@@ -112,13 +128,15 @@ def _usage(usage: Usage) -> dict[str, Any]:
 
 
 def _legacy_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    """The pre-chat shape: parallel lists, and each position's alternatives as {token: logprob}."""
+    """The pre-chat shape: parallel lists, and each position's alternatives as {token: logprob}
+    (null for a prompt's first token, which has no logprob)."""
     offsets = []
     for item in items:
         offsets.append(offset)
         offset += len(item.token)
     return {"tokens": [item.token for item in items], "token_logprobs": [item.logprob for item in items],
-            "top_logprobs": [{token: logprob for token, logprob, _ in item.top} for item in items],
+            "top_logprobs": [None if item.logprob is None else {token: logprob for token, logprob, _ in item.top}
+                             for item in items],
             "text_offset": offsets}
 
 
@@ -127,7 +145,12 @@ def render(request: NeutralRequest, view: ModelView, completion: Completion) -> 
     assert finish is not None
     echo = _echo(request)
     head = echo.prompt_text or ""
-    logprobs = _legacy_logprobs(completion.logprobs, len(head)) if echo.logprobs is not None else None
+    scored = completion.prompt_logprobs
+    if scored is not None:  # the echo is the scored tokens' text, so the offsets fall on it
+        head = "".join(item.token for item in scored)
+    logprobs = None
+    if echo.logprobs is not None:
+        logprobs = _legacy_logprobs((scored or []) + completion.logprobs, 0 if scored is not None else len(head))
     return {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
             "model": request.model, "system_fingerprint": view.card.fingerprint[:16],
             "choices": [{"text": head + completion.content, "index": 0, "logprobs": logprobs,
@@ -146,11 +169,15 @@ async def stream(request: NeutralRequest, view: ModelView, events: AsyncIterator
                                                "finish_reason": finish_reason}]})
 
     try:
-        if echo.prompt_text:
+        if echo.prompt_text and request.prompt_logprobs is None:
             yield chunk(echo.prompt_text)
             offset = len(echo.prompt_text)
         async for event in events:
-            if isinstance(event, TextDelta):
+            if isinstance(event, PromptLogprobs):  # the echo, with its tokens' scores
+                text = "".join(item.token for item in event.items)
+                yield chunk(text, logprobs=_legacy_logprobs(event.items, 0) if echo.logprobs is not None else None)
+                offset = len(text)
+            elif isinstance(event, TextDelta):
                 yield chunk(event.text)
             elif isinstance(event, LogprobsDelta) and echo.logprobs is not None:
                 legacy = _legacy_logprobs(event.items, offset)

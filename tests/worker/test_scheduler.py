@@ -209,3 +209,49 @@ def test_a_matcher_that_fails_mid_stream_ends_only_its_stream(engine):
     assert finished["steady"].reason == "stop"
     assert len(engine.tokenizer.decode(outbox.tokens("steady"), skip_special=True)) == 40
     assert finished["free"].reason == "length"
+
+
+def test_a_scored_prompt_in_chunks_beside_other_streams(engine):
+    """prompt_logprobs: the prompt, read in chunks smaller than it while another stream decodes
+    in the same steps, is scored as one pass over it scores it; with max_tokens 0 nothing is
+    generated, and a cached prefix is not used (every position is computed)."""
+    import numpy as np
+
+    from worker.engine.ops import log_softmax
+
+    prompt = [int(t) for t in np.random.default_rng(5).integers(100, 4000, 40)]
+    model = engine.model
+    rows = log_softmax(model.forward([(model.new_cache(64), prompt)], all_logits=True)[0].astype(np.float64))
+    outbox = Outbox()
+    scheduler = Scheduler(engine, SchedulerSettings(ctx=128, batch=2, kv_slots=2, prefill_chunk=16), outbox)
+    scheduler.submit(b"gw", Generate("warm", prompt[:30], SamplingParams(temperature=0.0), 3, stop_ids=[]))
+    for _ in range(20):  # a slot now holds 30 tokens of the prompt to be scored
+        scheduler.admit()
+        scheduler.step()
+    scheduler.submit(b"gw", Generate("other", [7, 8, 9], SamplingParams(temperature=0.0), 8, stop_ids=[]))
+    scheduler.submit(b"gw", Generate("scored", prompt, SamplingParams(temperature=0.0), 0, stop_ids=[],
+                                     prompt_logprobs=3))
+    for _ in range(100):
+        if not scheduler.running and not scheduler.waiting:
+            break
+        scheduler.admit()
+        scheduler.step()
+    [message] = [m for m in outbox.messages if isinstance(m, Tokens) and m.request_id == "scored"]
+    assert message.ids == [] and message.cached_tokens == 0
+    scores = message.prompt_logprobs
+    assert len(scores) == len(prompt) and scores[0] == [None, []]
+    for i in range(1, len(prompt)):
+        logprob, top = scores[i]
+        assert logprob == pytest.approx(rows[i - 1][prompt[i]], abs=1e-3)
+        assert [t for t, _ in top] == list(np.argsort(-rows[i - 1], kind="stable")[:3])
+    finished = outbox.finished()
+    assert finished["scored"].reason.value == "length" and finished["scored"].completion_tokens == 0
+    assert finished["scored"].cached_tokens == 0
+    assert finished["other"].completion_tokens == 8
+
+
+def test_max_tokens_zero_is_refused_unless_the_prompt_is_scored(engine):
+    outbox = Outbox()
+    scheduler = Scheduler(engine, SchedulerSettings(ctx=128), outbox)
+    scheduler.submit(b"gw", Generate("r", [5, 6], SamplingParams(), 0))
+    assert "max_tokens must be at least 1" in outbox.messages[-1].message
