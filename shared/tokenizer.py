@@ -266,6 +266,22 @@ def _merge_pairs(lines: list[str]) -> list[tuple[str, str]]:
     return merges
 
 
+def sentencepiece_merges(tokens: list[str], types: bytes | list[int], scores: Any) -> list[tuple[str, str]]:
+    """SentencePiece's merges as ranked BPE merges: every split of an ordinary piece into two
+    ordinary pieces, ranked by the score of their union (best first; ties by the union's id)."""
+    ordinary = {piece for piece, t in zip(tokens, types) if t == TOKEN_NORMAL}
+    ranked = []
+    for index, piece in enumerate(tokens):
+        if types[index] != TOKEN_NORMAL or len(piece) < 2:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in ordinary and right in ordinary:
+                ranked.append((-scores[index], index, cut, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
 class SentencePieceBPE(VocabularyModel):
     """SentencePiece's BPE vocabularies (Llama 2, Gemma): pieces spell a space as ▁, each piece
     has a score, and ``<0xAB>`` tokens stand for the bytes no piece covers.
@@ -304,21 +320,10 @@ class SentencePieceBPE(VocabularyModel):
 
     @classmethod
     def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
-        tokens, types = spec["tokens"], spec["token_types"]
         scores = array("f")
         scores.frombytes(spec["scores"])
-        ordinary = {piece for piece, t in zip(tokens, types) if t == TOKEN_NORMAL}
-        ranked = []
-        for index, piece in enumerate(tokens):
-            if types[index] != TOKEN_NORMAL or len(piece) < 2:
-                continue
-            for cut in range(1, len(piece)):
-                left, right = piece[:cut], piece[cut:]
-                if left in ordinary and right in ordinary:
-                    ranked.append((-scores[index], index, cut, left, right))
-        ranked.sort()
-        backend = _HFTokenizer(models.BPE(vocab=vocab, merges=[(left, right) for *_, left, right in ranked],
-                                          byte_fallback=True, fuse_unk=False))
+        merges = sentencepiece_merges(spec["tokens"], spec["token_types"], scores)
+        backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=False))
         steps = [normalizers.Replace(" ", "\u2581")]
         if spec["add_space_prefix"] and space_prefix:
             steps.insert(0, normalizers.Prepend(" "))

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.default_model import cache_dir, model_path
-from shared.tokenizer import TOKEN_NORMAL, TOKEN_USER_DEFINED
+from shared.tokenizer import TOKEN_NORMAL, TOKEN_USER_DEFINED, sentencepiece_merges
 
 CACHE_VERSION = 2  # bump when the derived vocabulary changes
 VOCAB_SIZE = 6144
@@ -62,16 +62,7 @@ def _derive(meta: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError(f"id {FIRST_ADDED_ID + offset} of the source is not an unused token")
         tokens[FIRST_ADDED_ID + offset] = text
         types[FIRST_ADDED_ID + offset] = TOKEN_USER_DEFINED
-    ordinary = {piece for piece, kind in zip(tokens, types) if kind == TOKEN_NORMAL}
-    ranked = []
-    for index, piece in enumerate(tokens):
-        if types[index] != TOKEN_NORMAL or len(piece) < 2:
-            continue
-        for cut in range(1, len(piece)):
-            if piece[:cut] in ordinary and piece[cut:] in ordinary:
-                ranked.append((-scores[index], index, cut))
-    ranked.sort()
-    merges = [f"{tokens[index][:cut]} {tokens[index][cut:]}" for _, index, cut in ranked]
+    merges = [f"{left} {right}" for left, right in sentencepiece_merges(tokens, types, scores)]
     return {
         "tokenizer.ggml.model": "gemma4",
         "tokenizer.ggml.pre": "gemma4",
