@@ -174,7 +174,9 @@ def models_body(view: ModelView, created: int) -> dict[str, Any]:
     entry = {"id": model_id, "object": "model", "created": created, "owned_by": "lmserve",
              "type": "model", "display_name": model_id,
              "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
-             "max_input_tokens": view.context_budget, "context_length": view.context_budget}
+             "max_input_tokens": view.context_budget, "context_length": view.context_budget,
+             # what the model can be asked for beyond text (the playground reads these)
+             "reasoning": view.has_reasoning_channel, "tool_calls": view.tool_call_tags is not None}
     return {"object": "list", "data": [entry], "has_more": False, "first_id": model_id, "last_id": model_id}
 
 
@@ -186,6 +188,8 @@ def package_version() -> str:
 
 
 VERSION = package_version()
+# /docs renders with Swagger UI from a CDN, at a fixed version (not whatever is newest)
+SWAGGER_UI = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5.17.14"
 # The playground (GET / from a browser): one static page that talks to the API like any client.
 PLAYGROUND = (Path(__file__).parent / "static" / "playground.html").read_text(encoding="utf-8")
 
@@ -283,7 +287,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
         @app.get("/docs")
         async def openapi_page() -> Response:
-            return get_swagger_ui_html(openapi_url="/openapi.json", title="lmserve API")
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="lmserve API",
+                                       swagger_js_url=SWAGGER_UI + "/swagger-ui-bundle.js",
+                                       swagger_css_url=SWAGGER_UI + "/swagger-ui.css")
 
     @app.api_route("/", methods=["GET", "HEAD"])
     async def root(request: Request) -> Response:

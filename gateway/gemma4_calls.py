@@ -39,7 +39,7 @@ def parse_call(raw: str) -> tuple[str, dict[str, Any]] | None:
         return None
     try:
         arguments, end = _value(body, brace)
-    except _Malformed:
+    except (_Malformed, RecursionError):  # RecursionError: nested past any real arguments
         return None
     if end != len(body) or not isinstance(arguments, dict):
         return None
@@ -109,6 +109,44 @@ def _container(text: str, at: int, close: str, keyed: bool) -> tuple[Any, int]:
 
 # --- the grammar of a forced call -------------------------------------------------------------
 
+ANY = "(.|\\n)*"  # any text, line breaks included
+BARE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+
+
+def _searching(pattern: str) -> str | None:
+    """A JSON schema pattern (matched anywhere in the string unless anchored) as a regex the
+    whole string must match; None where its anchors are not plainly at its two ends (an
+    alternation at its top level, an anchor that is escaped or inside)."""
+    depth, escaped, in_class = 0, False, False
+    for char in pattern:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+        elif char == "|" and depth == 0:
+            return None
+    starts = pattern.startswith("^")
+    backslashes = len(pattern[:-1]) - len(pattern[:-1].rstrip("\\"))
+    ends = pattern.endswith("$") and backslashes % 2 == 0
+    core = pattern[1 if starts else 0:len(pattern) - 1 if ends else len(pattern)]
+    if "^" in core.replace("\\^", "").replace("[^", "") or "$" in core.replace("\\$", ""):
+        return None
+    return ("" if starts else ANY) + f"(?:{core})" + ("" if ends else ANY)
+
+
+def _slashes_escaped(regex: str) -> str:
+    """The regex inside Lark's /…/: a slash not already escaped gets its backslash."""
+    return re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", regex)
+
+
 class _Rules:
     """Lark rules for the values of JSON schemas, in this syntax; the quote as token ``q``."""
 
@@ -167,15 +205,21 @@ class _Rules:
         """A string, held to its pattern or its length bounds where it has them."""
         pattern = schema.get("pattern")
         low, high = schema.get("minLength", 0), schema.get("maxLength")
-        if isinstance(pattern, str):  # unanchored, a pattern may match anywhere in the string
-            head = "" if pattern.startswith("^") else "(.|\\n)*"
-            tail = "" if pattern.endswith("$") else "(.|\\n)*"
-            body = f"{head}(?:{pattern.removeprefix('^').removesuffix('$')}){tail}"
+        if isinstance(pattern, str):
+            body = _searching(pattern)
+            if body is None:
+                return "g4_string"  # a pattern this cannot place safely: the string is left free
         elif isinstance(low, int) and (isinstance(high, int) or low):
             body = f"(.|\\n){{{low},{high if isinstance(high, int) else ''}}}"
         else:
             return "g4_string"
-        return self.new(f"{self.quote} /{body.replace('/', chr(92) + '/')}/ {self.quote}")
+        return self.new(f"{self.quote} /{_slashes_escaped(body)}/ {self.quote}")
+
+    def key(self, name: str) -> str:
+        """A property name and its colon: bare where the syntax allows, else quoted."""
+        if BARE_KEY.fullmatch(name):
+            return json.dumps(name + ":")
+        return f'{self.quote} {json.dumps(name)} {self.quote} ":"'
 
     def object(self, schema: dict[str, Any]) -> str:
         properties = schema.get("properties")
@@ -183,7 +227,7 @@ class _Rules:
             return "g4_dict"
         required = set(schema.get("required") or [])
         names = sorted(properties)
-        pairs = [f"{json.dumps(name + ':')} {self.value(properties[name])}" for name in names]
+        pairs = [f"{self.key(name)} {self.value(properties[name])}" for name in names]
         extra = schema.get("additionalProperties", True) is not False
         # rest: what may follow once a pair is written, from property i on; first: the same
         # while none is (no comma before it). Each is a rule of its own, or "" for nothing, so

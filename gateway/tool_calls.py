@@ -473,7 +473,7 @@ def parse_call(raw: str) -> tuple[str, dict[str, Any]] | None:
     """(name, arguments) of one call's JSON, or None when it is not a well-formed call."""
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past any real arguments
         return None
     if not isinstance(value, dict):
         return None
@@ -485,7 +485,7 @@ def parse_call(raw: str) -> tuple[str, dict[str, Any]] | None:
         # Some models write the arguments object as a JSON string.
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None

@@ -78,8 +78,8 @@ class KVSpiller:
             self.stats.chunks_restored += 1
             metrics.KV_CHUNKS.labels("restored").inc()
             metrics.KV_BYTES.labels("restored").inc(chunk.keys.nbytes + chunk.values.nbytes)
-        if available < len(usable):
-            metrics.KV_CHUNKS.labels("missed").inc()
+        # asked for and not restored: absent from the store, or unusable
+        metrics.KV_CHUNKS.labels("missed").inc(len(usable) - max(first, length // self.chunk_tokens))
         return length
 
     # --- spill (engine thread copies, writer thread stores) ----------------------------------

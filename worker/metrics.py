@@ -28,7 +28,8 @@ BATCH = Histogram("lmserve_worker_batch_streams", "Streams in the forward pass o
                   buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32))
 STEP_TOKENS = Counter("lmserve_worker_step_tokens", "Tokens fed to forward passes, by phase", ["phase"])
 KV_CHUNKS = Counter("lmserve_worker_kvstore_chunks", "KV store chunks by event: restored (a hit), missed "
-                    "(asked for, absent), written (spilled), dropped (the write queue was full)", ["event"])
+                    "(asked for, not restored: absent or unusable), written (spilled), dropped (the write "
+                    "queue was full)", ["event"])
 KV_BYTES = Counter("lmserve_worker_kvstore_bytes", "KV bytes moved to and from the KV store", ["direction"])
 GRAMMAR_COMPILE = Histogram("lmserve_worker_grammar_compile_seconds", "Compiling a request's grammar",
                             buckets=COMPILE_BUCKETS)

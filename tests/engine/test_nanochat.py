@@ -115,3 +115,29 @@ def test_what_lmserve_will_not_load_is_named(tmp_path):
         Engine.load(str(tmp_path))
     with pytest.raises(ModelLoadError, match="not found"):
         Engine.load(str(tmp_path / "missing"))
+
+
+def _with_header(path: Path, header: dict, data: bytes) -> None:
+    encoded = json.dumps(header).encode()
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data)
+
+
+@pytest.mark.parametrize("entry, says", [
+    ({"dtype": "BF16", "shape": [64, 64], "data_offsets": [0, 16]}, "not the 2 per value"),  # rows past the data
+    ({"dtype": "F32", "shape": [4], "data_offsets": [0, 1 << 40]}, "outside its data"),
+    ({"dtype": "F32", "shape": [4], "data_offsets": [8, 0]}, "outside its data"),
+    ({"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}, "malformed"),
+    ({"dtype": "F32", "shape": "4", "data_offsets": [0, 16]}, "malformed"),
+    ({"dtype": "I64", "shape": [2], "data_offsets": [0, 16]}, "lmserve reads F32"),
+])
+def test_a_tensor_entry_that_does_not_fit_its_bytes_is_refused(tmp_path, entry, says):
+    """The kernels read a weight's rows by its shape, in place: the shape and the byte range
+    must agree, and lie in the file."""
+    from worker.engine.checkpoint import SafetensorsFile
+
+    _with_header(tmp_path / "model.safetensors", {"w": entry}, bytes(16))
+    with pytest.raises(ModelLoadError, match=says):
+        SafetensorsFile(tmp_path / "model.safetensors")
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="not a safetensors file"):
+        SafetensorsFile(tmp_path / "empty.safetensors")

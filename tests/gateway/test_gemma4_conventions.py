@@ -265,3 +265,26 @@ def test_the_forced_grammar_holds_a_call_to_its_schema(grammars):
            'call:get_weather{city:<|"|>Paris<|"|>}']  # not in the call tokens
     assert all(accepts(grammars, source, text) for text in good)
     assert not any(accepts(grammars, source, text) for text in bad)
+
+
+def test_patterns_and_property_names_the_syntax_must_take_care_of(grammars):
+    """Escaped slashes and dollars in a schema's pattern, an alternation at its top level (left
+    free rather than misplaced), and property names that are not bare words (quoted in the call,
+    and read back): each grammar compiles and holds what it can."""
+    tokenizer, _ = grammars
+    ids = [tokenizer.piece_to_id(t) for t in (GEMMA4_CALL_TAGS.open, GEMMA4_CALL_TAGS.close, gemma4_calls.QUOTE)]
+    schema = {"type": "object", "additionalProperties": False, "required": ["url", "a:b"],
+              "properties": {"url": {"type": "string", "pattern": "^https:\\/\\/[a-z.]+\\/$"},
+                             "price": {"type": "string", "pattern": "^\\$[0-9]+$"},
+                             "either": {"type": "string", "pattern": "^a|b$"},
+                             "a:b": {"type": "integer"}}}
+    source = gemma4_calls.lark([("fetch", schema)], *ids, parallel=False)
+    call = ('<|tool_call>call:fetch{<|"|>a:b<|"|>:3,either:<|"|>xbx<|"|>,price:<|"|>$12<|"|>,'
+            'url:<|"|>https://example.org/<|"|>}<tool_call|>')
+    assert accepts(grammars, source, call)
+    assert not accepts(grammars, source, call.replace("https://example.org/", "http://example.org/"))
+    assert not accepts(grammars, source, call.replace("$12", "12"))
+    body = call.removeprefix("<|tool_call>").removesuffix("<tool_call|>")
+    assert gemma4_calls.parse_call(body) == ("fetch", {"a:b": 3, "either": "xbx", "price": "$12",
+                                                       "url": "https://example.org/"})
+    assert gemma4_calls.parse_call("call:f{a:" + "[" * 5000) is None  # nested past any real arguments

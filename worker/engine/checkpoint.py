@@ -42,7 +42,9 @@ Q = GGMLQuantizationType
 # safetensors dtype -> (block type, numpy type of its values; None: widened from its bits)
 DTYPES: dict[str, tuple[GGMLQuantizationType, Any]] = {
     "F32": (Q.F32, np.float32), "F16": (Q.F16, np.float16), "BF16": (Q.BF16, None)}
+ITEM_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 ARCH = "nanochat"
+MAX_VOCABULARY = 1 << 22  # token ids a tokenizer.json may use
 
 # The split of GPT-4's tokenizer as nanochat trains it (numbers in runs of up to two digits).
 SPLIT_PATTERN = PRE_KINDS["nanochat"].splits[0]
@@ -92,24 +94,36 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        with open(self.path, "rb") as fh:
-            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         try:
+            with open(self.path, "rb") as fh:
+                self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             (length,) = struct.unpack_from("<Q", self._map, 0)
             header = json.loads(bytes(self._map[8:8 + length]))
-        except (struct.error, ValueError) as exc:
+            if not isinstance(header, dict):
+                raise ValueError("its header is not a JSON object")
+        except (OSError, struct.error, ValueError) as exc:
             raise ModelLoadError(f"{self.path} is not a safetensors file ({exc})") from exc
         header.pop("__metadata__", None)
         self.start = 8 + length
+        room = len(self._map) - self.start
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, entry in header.items():
-            begin, end = entry["data_offsets"]
-            if entry["dtype"] not in DTYPES:
-                raise ModelLoadError(f"tensor {name!r} in {self.path} has dtype {entry['dtype']}; "
-                                     f"lmserve reads {', '.join(DTYPES)}")
-            if self.start + end > len(self._map):
-                raise ModelLoadError(f"{self.path} is truncated: tensor {name!r} runs past its end")
-            self.entries[name] = (entry["dtype"], tuple(entry["shape"]), begin, end)
+            # every number is checked: the kernels read a weight's rows by its shape, in place
+            try:
+                dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+                numbers = [*shape, begin, end]
+                if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers):
+                    raise ValueError("shape and offsets must be whole numbers")
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ModelLoadError(f"tensor {name!r} in {self.path} has a malformed entry ({exc})") from exc
+            if dtype not in DTYPES:
+                raise ModelLoadError(f"tensor {name!r} in {self.path} has dtype {dtype}; lmserve reads {', '.join(DTYPES)}")
+            if not begin <= end <= room:
+                raise ModelLoadError(f"{self.path} is truncated or corrupt: tensor {name!r} lies outside its data")
+            if end - begin != int(np.prod(shape, dtype=np.int64)) * ITEM_BYTES[dtype]:
+                raise ModelLoadError(f"tensor {name!r} in {self.path} holds {end - begin} bytes, not the "
+                                     f"{ITEM_BYTES[dtype]} per value its {dtype} shape {list(shape)} needs")
+            self.entries[name] = (dtype, shape, begin, end)
 
     def raw(self, name: str) -> tuple[str, tuple[int, ...], np.ndarray]:
         dtype, shape, begin, end = self.entries[name]
@@ -254,7 +268,10 @@ def _tokenizer_metadata(folder: Path) -> dict[str, Any]:
     patterns = re.findall(r'"Regex":\s*("(?:[^"\\]|\\.)*")', json.dumps(spec.get("pre_tokenizer")))
     if [json.loads(p) for p in patterns] != [SPLIT_PATTERN]:
         raise ModelLoadError(f"{path} splits text with {patterns or 'no regex'}, not nanochat's GPT-4 split")
-    size = max([*model["vocab"].values(), *(t["id"] for t in spec.get("added_tokens", []))]) + 1
+    ids_used = [*model["vocab"].values(), *(t.get("id") for t in spec.get("added_tokens", []))]
+    if not all(isinstance(i, int) and 0 <= i < MAX_VOCABULARY for i in ids_used):
+        raise ModelLoadError(f"{path}: token ids must be whole numbers below {MAX_VOCABULARY}")
+    size = max(ids_used) + 1
     tokens: list[str | None] = [None] * size
     types = [TOKEN_NORMAL] * size
     for piece, index in model["vocab"].items():

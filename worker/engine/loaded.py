@@ -42,7 +42,8 @@ class Engine:
         gguf = NanochatCheckpoint(path, on_progress) if os.path.isdir(path) else GGUFFile(path, on_progress)
         model = load_model(gguf, exact, kv_type)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
-        name = os.path.splitext(os.path.basename(os.path.normpath(gguf.path)))[0]
+        base = os.path.basename(os.path.normpath(gguf.path))
+        name = base if os.path.isdir(gguf.path) else os.path.splitext(base)[0]
         return cls(model, tokenizer, name, _fingerprint(gguf, model), gguf.metadata)
 
     @property
@@ -106,4 +107,6 @@ def _fingerprint(gguf: GGUFFile | NanochatCheckpoint, model: DecoderModel) -> st
                   f"{model.kv_type}:rope-v2".encode())
     if hp.layers:  # layers of their own shapes (gemma4)
         digest.update(repr(hp.layers).encode())
+    if isinstance(gguf, NanochatCheckpoint):  # its shape and RoPE come from files beside the weights
+        digest.update(repr(sorted((k, v) for k, v in gguf.metadata.items() if k.startswith("nanochat."))).encode())
     return digest.hexdigest()[:32]
