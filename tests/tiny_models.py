@@ -15,7 +15,7 @@ family needs only its hyperparameters below.
   width 32; untied output.
 
 Matrices are F32 by default so llama.cpp computes in f32 and parity can be tight; the
-``tensor_type`` override writes F16 or Q8_0 matrices instead, for loader tests. The same
+``tensor_type`` override writes F16, Q8_0 or Q2_0 (either layout) matrices instead. The same
 arguments always give the same bytes.
 """
 
@@ -25,12 +25,15 @@ import functools
 import importlib
 import json
 import os
+import struct
 from typing import Any
 
 import gguf
 import numpy as np
 
+from worker.engine import q2_0
 from worker.engine.archs import ARCHITECTURES
+from worker.engine.gguf_file import HeaderCursor
 from worker.engine.model import DENSE, FACTORS, MATRIX, NORM, HParams, LayerShape
 
 # the GGUF families (nanochat is served from checkpoint directories: tests/tiny_nanochat.py)
@@ -117,7 +120,9 @@ _DEFAULTS["gemma4"] = {
 # Variants with logit fixtures of their own: name -> (architecture, overrides). gemma4_e is the
 # E2B/E4B layout in small: no experts, per-layer token embeddings of width 8, and the last two
 # layers reading the KV of the last sliding (layer 2) and global (layer 3) layers before them.
+# qwen3_q2_0 is qwen3 with its matrices in Q2_0 (ggml's layout, which llama.cpp reads).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_q2_0": ("qwen3", {"tensor_type": "Q2_0"}),
     "gemma4_e": ("gemma4", {"n_expert": 0, "n_embd_per_layer": 8, "shared_kv_layers": 2,
                             "swa_pattern": (True, True, True, False, True, False),
                             "write_optional": ("layer_output_scale.weight",)}),
@@ -131,6 +136,11 @@ _TENSOR_TYPES = {
     "F32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
     "F16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
     "Q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    # Q2_0 (type 42, which the gguf package does not know): ggml's 64-weight blocks, or
+    # PrismML's 128-weight ones. The weights are made ternary per 128 in both, so the two files
+    # hold the same values; matrices are written as raw bytes and their type set afterwards.
+    "Q2_0": (gguf.GGMLQuantizationType.I8, gguf.LlamaFileType.ALL_F32),
+    "Q2_0_128": (gguf.GGMLQuantizationType.I8, gguf.LlamaFileType.ALL_F32),
 }
 
 
@@ -226,7 +236,9 @@ class _TensorSink:
     def __init__(self, writer: gguf.GGUFWriter, tensor_type: str):
         self._writer = writer
         self._qtype = _TENSOR_TYPES[tensor_type][0]
+        self._q2_0_block = {"Q2_0": 64, "Q2_0_128": 128}.get(tensor_type)
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.q2_0: dict[str, int] = {}  # tensors written as Q2_0 bytes: name -> values per row
 
     def add(self, name: str, array: np.ndarray, keep_f32: bool = False) -> None:
         self.shapes[name] = tuple(int(d) for d in array.shape)
@@ -236,9 +248,39 @@ class _TensorSink:
             self._writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
         elif self._qtype == gguf.GGMLQuantizationType.F16:
             self._writer.add_tensor(name, array.astype(np.float16))
+        elif self._q2_0_block is not None:
+            rows = array.reshape(-1, array.shape[-1])
+            ternary = q2_0.dequantize(q2_0.quantize(rows, 128), 128, rows.shape)
+            encoded = q2_0.quantize(ternary, self._q2_0_block)
+            self._writer.add_tensor(name, encoded.reshape(*array.shape[:-1], -1).view(np.int8))
+            self.q2_0[name] = array.shape[-1]
         else:
             encoded = gguf.quants.quantize(array, self._qtype)
             self._writer.add_tensor(name, encoded, raw_dtype=self._qtype)
+
+
+def _set_q2_0_types(path: str | os.PathLike, rows: dict[str, int]) -> None:
+    """Give the tensors written as raw Q2_0 bytes their type (42) and row length in values, in
+    the header's tensor table (the same number of bytes: patched in place)."""
+    with open(path, "r+b") as fh:
+        data = bytearray(fh.read())
+        cursor = HeaderCursor(bytes(data))
+        cursor.pos = 4 + 4
+        n_tensors, n_kv = cursor.scalar("<Q"), cursor.scalar("<Q")
+        for _ in range(n_kv):
+            cursor.string()
+            cursor.value(cursor.scalar("<I"))
+        for _ in range(n_tensors):
+            name = cursor.string()
+            n_dims = cursor.scalar("<I")
+            innermost = cursor.pos
+            cursor.pos += 8 * n_dims
+            if name in rows:
+                struct.pack_into("<Q", data, innermost, rows[name])
+                struct.pack_into("<I", data, cursor.pos, q2_0.TYPE_ID)
+            cursor.pos += 4 + 8
+        fh.seek(0)
+        fh.write(data)
 
 
 def _layer_shapes(hp: dict[str, Any]) -> tuple[LayerShape, ...]:
@@ -363,6 +405,8 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if sink.q2_0:
+        _set_q2_0_types(path, sink.q2_0)
 
     info: dict[str, Any] = {"arch": arch, "seed": seed, "name": name, "path": os.fspath(path),
                             "n_vocab": n_vocab, **hp, "tensor_shapes": sink.shapes,

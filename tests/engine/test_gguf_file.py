@@ -104,9 +104,13 @@ def test_undecodable_tensor_type_is_named(tiny_llama, tmp_path):
     _retype(tiny_llama, tmp_path / "q1.gguf", "blk.0.attn_q.weight", gguf.GGMLQuantizationType.Q1_0)
     with pytest.raises(ModelLoadError, match=r"attn_q.weight.*type Q1_0.*cannot dequantize"):
         load_model(GGUFFile(tmp_path / "q1.gguf"))
+    _retype(tiny_llama, tmp_path / "q99.gguf", "blk.0.attn_q.weight", 99)  # no type has this id
+    with pytest.raises(ModelLoadError, match=r"attn_q.weight.*type id 99"):
+        load_model(GGUFFile(tmp_path / "q99.gguf"))
+    # Q2_0 (42): its float32 bytes fit neither Q2_0 layout
     _retype(tiny_llama, tmp_path / "q42.gguf", "blk.0.attn_q.weight", 42)
-    with pytest.raises(ModelLoadError, match=r"type id 42"):
-        load_model(GGUFFile(tmp_path / "q42.gguf"))
+    with pytest.raises(ModelLoadError, match=r"Q2_0 tensor 'blk.0.attn_q.weight'.*fits neither Q2_0 layout"):
+        GGUFFile(tmp_path / "q42.gguf")
 
 
 def test_unsupported_architecture_is_named(tmp_path):

@@ -48,11 +48,16 @@ def _logits(model, fixture: dict, chunks: list[int]) -> np.ndarray:
     return np.concatenate(logits)
 
 
-def _compare(model, fixture: dict, chunks: list[int]) -> tuple[float, float]:
+def _compare(model, fixture: dict, chunks: list[int], flip_gap: float = 0.0) -> tuple[float, float]:
     """Run the fixture's tokens in the given chunk sizes; return max |Δlogit| and max |Δlogprob|
-    over each position's reference top-20, after asserting the same top-1 everywhere."""
+    over each position's reference top-20, after asserting the same top-1 everywhere (or, with
+    ``flip_gap``, another choice only where the reference's own top two are closer than that)."""
     ours = _logits(model, fixture, chunks)
-    np.testing.assert_array_equal(ours.argmax(axis=-1), fixture["top1"])
+    flips = np.nonzero(ours.argmax(axis=-1) != fixture["top1"])[0]
+    if not flip_gap:
+        np.testing.assert_array_equal(ours.argmax(axis=-1), fixture["top1"])
+    for i in flips:
+        assert fixture["top_logits"][i][0] - fixture["top_logits"][i][1] < flip_gap, f"position {i} flipped"
     top_ids, top_ref = fixture["top_ids"], fixture["top_logits"]
     top_ours = np.take_along_axis(ours, top_ids, axis=-1)
     our_logprobs = np.take_along_axis(log_softmax(ours.astype(np.float64)), top_ids, axis=-1)
@@ -71,6 +76,12 @@ KV_TOLERANCE = {"f32": 1e-3, "f16": 1e-2}
 # 0.0015 with the table emulated; gemma4_e_tiny, with GELU on its per-layer inputs too: 0.0101,
 # and 0.0006 emulated. So they get this much more room.
 GELU_TABLE_SLACK = {"gemma3": 4e-3, "gemma4": 7e-3, "gemma4_e": 1.2e-2}
+# llama.cpp multiplies Q2_0 weights by activations rounded to 8 bits (its q8_0 blocks); this
+# engine dequantizes Q2_0 to float32 (there is no Q2_0 kernel yet), so the two differ by that
+# rounding: measured max |Δlogit| 0.21 (mean 0.04, logit std 2.7), and one top-1 of 40 flipped
+# where the reference's own top two are 0.026 apart. A decoding mistake would move the logits by
+# whole units. Name -> (tolerance, the top-two gap under which a flip is allowed).
+ROUNDED_ACTIVATIONS = {"qwen3_q2_0": (0.3, 0.05)}
 
 
 @pytest.mark.parametrize("kv_type", sorted(KV_TOLERANCE))
@@ -86,8 +97,12 @@ def test_tiny_model_logits_match_llama_cpp(name, kv_type, tmp_path):
     tolerance = KV_TOLERANCE[kv_type] + GELU_TABLE_SLACK.get(name, 0.0)
     n = len(fixture["tokens"])
     # all at once, then in uneven chunks through the KV cache: both must match
+    if name in ROUNDED_ACTIVATIONS:
+        tolerance, flip_gap = ROUNDED_ACTIVATIONS[name]
+    else:
+        flip_gap = 0.0
     for chunks in ([n], [7, 1, 13, n - 21]):
-        max_logit, max_logprob = _compare(model, fixture, chunks)
+        max_logit, max_logprob = _compare(model, fixture, chunks, flip_gap)
         assert max_logit < tolerance, f"{name}: max |Δlogit| {max_logit}"
         assert max_logprob < tolerance
 
@@ -210,3 +225,20 @@ def test_compiled_block_steps_match_the_step_by_step_path(arch, tmp_path):
     ours = compiled.forward([(compiled.new_cache(len(tokens)), tokens)], all_logits=True)[0]
     theirs = stepwise.forward([(stepwise.new_cache(len(tokens)), tokens)], all_logits=True)[0]
     assert np.abs(ours - theirs).max() < 1e-3
+
+
+def test_both_q2_0_layouts_hold_the_same_weights(tmp_path):
+    """ggml's 64-weight Q2_0 blocks and PrismML's 128-weight ones, one type id: the layout is
+    told from the bytes each tensor occupies, and the same ternary weights in either give the
+    same logits."""
+    logits = []
+    for tensor_type, block in (("Q2_0", 64), ("Q2_0_128", 128)):
+        write_tiny_gguf(tmp_path / f"{tensor_type}.gguf", "qwen3", tensor_type=tensor_type)
+        gguf_file = GGUFFile(tmp_path / f"{tensor_type}.gguf")
+        info = gguf_file.tensor_info("blk.0.attn_q.weight")
+        assert (info.type_name, info.q2_0_block) == ("Q2_0", block)
+        model = load_model(gguf_file, kv_type="f32")
+        tokens = list(range(1000, 1040))
+        logits.append(model.forward([(model.new_cache(64), tokens)], all_logits=True)[0])
+    assert logits[0].std() > 1.0
+    np.testing.assert_array_equal(logits[0], logits[1])

@@ -15,6 +15,7 @@ Everything that can go wrong with a file (missing, truncated, not GGUF, a tensor
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import mmap
 import os
@@ -27,7 +28,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
 
 from shared.errors import ModelLoadError
-from worker.engine import kernels
+from worker.engine import kernels, q2_0
 from worker.engine.weights import DenseWeight, QuantizedWeight, Weight, has_kernel, row_bytes
 
 GGUF_MAGIC = b"GGUF"
@@ -68,21 +69,30 @@ class TensorInfo:
     shape: tuple[int, ...]  # numpy order: outermost first, e.g. (n_out, n_in) for a weight
     type_id: int
     offset: int  # from the start of the data section
+    q2_0_block: int = 0  # Q2_0's weights per block in this file (q2_0.py), 0 for other types
 
     @property
     def type_name(self) -> str:
+        if self.type_id == q2_0.TYPE_ID:
+            return "Q2_0"
         try:
             return GGMLQuantizationType(self.type_id).name
         except ValueError:
             return f"type id {self.type_id}"
 
     @property
+    def n_values(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
     def n_bytes(self) -> int:
+        if self.type_id == q2_0.TYPE_ID:
+            return q2_0.n_bytes(self.n_values, self.q2_0_block or 64) or 0
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(self.type_id)]
-        return int(np.prod(self.shape, dtype=np.int64)) // block * size
+        return self.n_values // block * size
 
 
-class _Header:
+class HeaderCursor:
     """A cursor over the header bytes; every read is bounds-checked by ``struct``."""
 
     def __init__(self, data: mmap.mmap):
@@ -144,16 +154,34 @@ class GGUFFile:
             self.metadata, self._tensors, self._data_start = self._read_header()
         except (struct.error, ValueError, UnicodeDecodeError, OverflowError, MemoryError) as exc:
             raise ModelLoadError(f"{self.path} is truncated or corrupt: its header could not be read ({exc})") from exc
+        self._settle_q2_0(size)
         for info in self._tensors.values():
-            if _known_type(info.type_id) is None:
+            if _known_type(info.type_id) is None and info.type_id != q2_0.TYPE_ID:
                 continue  # reported when the tensor is asked for
             end = self._data_start + info.offset + info.n_bytes
             if end > size:
                 raise ModelLoadError(
                     f"{self.path} is truncated: tensor {info.name!r} needs bytes up to {end} but the file has {size}")
 
+    def _settle_q2_0(self, size: int) -> None:
+        """Give every Q2_0 tensor the file's block layout, told by the bytes the tensors occupy."""
+        q2 = [info for info in self._tensors.values() if info.type_id == q2_0.TYPE_ID]
+        if not q2:
+            return
+        starts = sorted(info.offset for info in self._tensors.values())
+        data_end = size - self._data_start
+
+        def room(info: TensorInfo) -> int:
+            later = [start for start in starts if start > info.offset]
+            return (later[0] if later else data_end) - info.offset
+
+        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        block = q2_0.layout([(info.name, info.n_values, room(info)) for info in q2], alignment, self.path)
+        for info in q2:
+            self._tensors[info.name] = dataclasses.replace(info, q2_0_block=block)
+
     def _read_header(self) -> tuple[dict[str, Any], dict[str, TensorInfo], int]:
-        header = _Header(self._map)
+        header = HeaderCursor(self._map)
         header.pos = 4
         version = header.scalar("<I")
         if version not in SUPPORTED_VERSIONS:
@@ -210,7 +238,9 @@ class GGUFFile:
         name the culprit: an unknown or undecodable type, a shape other than expected."""
         info = self.tensor_info(name)
         qtype = _known_type(info.type_id)
-        if qtype is None or qtype not in DECODABLE_TYPES:
+        if info.type_id == q2_0.TYPE_ID:
+            qtype = None  # decoded by q2_0.py, never by the gguf package
+        elif qtype is None or qtype not in DECODABLE_TYPES:
             raise ModelLoadError(
                 f"tensor {name!r} in {self.path} has type {info.type_name}, which lmserve cannot "
                 f"dequantize (supported: {', '.join(sorted(t.name for t in DECODABLE_TYPES))})")
@@ -228,7 +258,9 @@ class GGUFFile:
         """The named tensor as a C-contiguous float32 array (numpy order, outermost first)."""
         info, qtype, raw = self._checked(name, shape)
         try:
-            if qtype in _PLAIN_TYPES:
+            if info.type_id == q2_0.TYPE_ID:
+                array = q2_0.dequantize(raw, info.q2_0_block, info.shape)
+            elif qtype in _PLAIN_TYPES:
                 array = raw.view(_PLAIN_TYPES[qtype]).reshape(info.shape).astype(np.float32)
             else:
                 block, type_size = GGML_QUANT_SIZES[qtype]
@@ -237,7 +269,7 @@ class GGUFFile:
             array = np.ascontiguousarray(array, dtype=np.float32)
         except Exception as exc:
             raise ModelLoadError(
-                f"tensor {name!r} ({qtype.name}, shape {info.shape}) in {self.path} could not be decoded: {exc}"
+                f"tensor {name!r} ({info.type_name}, shape {info.shape}) in {self.path} could not be decoded: {exc}"
             ) from exc
         if not np.all(np.isfinite(array)):
             raise ModelLoadError(f"tensor {name!r} in {self.path} holds NaN or infinite values")
@@ -247,16 +279,18 @@ class GGUFFile:
         """A weight matrix (or a stack of them) for ``x @ Wᵀ``: read in place from the file when
         a kernel serves its type, else (or with ``dense``) dequantized to float32 here."""
         info, qtype, raw = self._checked(name, shape)
-        if dense or len(info.shape) < 2 or not kernels.available() or not has_kernel(qtype, info.shape[-1]):
+        if (dense or len(info.shape) < 2 or not kernels.available() or qtype is None
+                or not has_kernel(qtype, info.shape[-1])):
             if not dense and name not in self.dense_fallbacks and len(info.shape) >= 2:
-                self.dense_fallbacks[name] = qtype.name
+                self.dense_fallbacks[name] = info.type_name
             return DenseWeight(self.tensor(name, shape))
         rows = raw.reshape(*info.shape[:-1], row_bytes(qtype, info.shape[-1]))
         return QuantizedWeight(qtype, info.shape, rows)
 
     @functools.cached_property
     def total_bytes(self) -> int:
-        return sum(info.n_bytes for info in self._tensors.values() if _known_type(info.type_id) is not None)
+        return sum(info.n_bytes for info in self._tensors.values()
+                   if _known_type(info.type_id) is not None or info.type_id == q2_0.TYPE_ID)
 
 
 def _known_type(type_id: int) -> GGMLQuantizationType | None:
