@@ -137,8 +137,9 @@ _TENSOR_TYPES = {
     "F16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
     "Q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
     # Q2_0 (type 42, which the gguf package does not know): ggml's 64-weight blocks, or
-    # PrismML's 128-weight ones. The weights are made ternary per 128 in both, so the two files
-    # hold the same values; matrices are written as raw bytes and their type set afterwards.
+    # PrismML's 128-weight ones (rows of a multiple of 128 values, then). The weights are made
+    # ternary per 128 where rows allow, so the two files hold the same values; matrices are
+    # written as raw bytes and their type set afterwards.
     "Q2_0": (gguf.GGMLQuantizationType.I8, gguf.LlamaFileType.ALL_F32),
     "Q2_0_128": (gguf.GGMLQuantizationType.I8, gguf.LlamaFileType.ALL_F32),
 }
@@ -249,8 +250,9 @@ class _TensorSink:
         elif self._qtype == gguf.GGMLQuantizationType.F16:
             self._writer.add_tensor(name, array.astype(np.float16))
         elif self._q2_0_block is not None:
-            rows = array.reshape(-1, array.shape[-1])
-            ternary = q2_0.dequantize(q2_0.quantize(rows, 128), 128, rows.shape)
+            rows = array.reshape(-1, array.shape[-1])  # a row of 64 values is ternary per 64
+            common = 128 if rows.shape[-1] % 128 == 0 else 64
+            ternary = q2_0.dequantize(q2_0.quantize(rows, common), common, rows.shape)
             encoded = q2_0.quantize(ternary, self._q2_0_block)
             self._writer.add_tensor(name, encoded.reshape(*array.shape[:-1], -1).view(np.int8))
             self.q2_0[name] = array.shape[-1]

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from worker.engine import kernels
+from worker.engine import kernels, q2_0
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels import fused
 from worker.engine.kernels.activations import QuantizedActivations
-from worker.engine.weights import INT8_KERNELS, DenseWeight, MatmulInput, QuantizedWeight, dequantize
+from worker.engine.weights import INT8_KERNELS, DenseWeight, MatmulInput, QuantizedWeight, dequantize, row_bytes
 
 Q = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels need AVX2, FMA and F16C")
@@ -28,10 +28,22 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels nee
 ROWS = (1, 3, 4, 5, 9, 70)
 
 
+def block_size(qtype) -> int:
+    return qtype.block if isinstance(qtype, q2_0.Layout) else GGML_QUANT_SIZES[qtype][0]
+
+
+def row_width(qtype, units: int) -> int:
+    """A row of about ``units`` 32-weight units that whole blocks of the type fill."""
+    return -(-units * 32 // block_size(qtype)) * block_size(qtype)
+
+
 def random_blocks(qtype: Q, n_out: int, n_in: int, rng: np.random.Generator) -> np.ndarray:
-    """Weights of ``qtype``: quantized by the gguf package where it can, else random block
-    bytes whose f16 scales are set to small finite values (the other bytes are all valid)."""
+    """Weights of ``qtype``: quantized by the gguf package (or q2_0.py) where it can, else
+    random block bytes whose f16 scales are set to small finite values (the other bytes are all
+    valid)."""
     values = (rng.standard_normal((n_out, n_in)) * 0.05).astype(np.float32)
+    if isinstance(qtype, q2_0.Layout):
+        return q2_0.quantize(values, qtype.block)
     try:
         return quants.quantize(values, qtype)
     except NotImplementedError:
@@ -48,7 +60,7 @@ def random_blocks(qtype: Q, n_out: int, n_in: int, rng: np.random.Generator) -> 
 
 def exact_reference(weights: np.ndarray, qtype: Q, acts: QuantizedActivations) -> np.ndarray:
     """Dequantized weights times dequantized activations, in float64."""
-    dense = quants.dequantize(weights, qtype).astype(np.float64)
+    dense = dequantize(weights, qtype, (weights.shape[0], acts.values.shape[1])).astype(np.float64)
     x = acts.values.astype(np.float64) * np.repeat(acts.scales, 32, axis=1)
     return x @ dense.T
 
@@ -56,11 +68,12 @@ def exact_reference(weights: np.ndarray, qtype: Q, acts: QuantizedActivations) -
 @pytest.mark.parametrize("qtype", sorted(INT8_KERNELS, key=lambda q: q.name), ids=lambda q: q.name)
 def test_int8_kernel_matches_the_dequantized_product(qtype):
     rng = np.random.default_rng(int(qtype))
-    # eleven 32-weight units: a run of eight (the kernel's unrolled step) and three after it
-    n_in = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 352
+    # eleven 32-weight units (or as many more as whole blocks take): a run of eight (the
+    # kernel's unrolled step) and some after it
+    n_in = row_width(qtype, 11)
     weights = random_blocks(qtype, 37, n_in, rng)
     weight = QuantizedWeight(qtype, (37, n_in), weights)
-    dense = quants.dequantize(weights, qtype)
+    dense = dequantize(weights, qtype, (37, n_in))
     for m in ROWS:
         x = rng.standard_normal((m, n_in)).astype(np.float32)
         inp = MatmulInput(x)
@@ -80,10 +93,10 @@ def test_a_row_gets_the_same_bits_in_a_tile_and_alone(qtype):
     single-row loop, and all five results must be equal to the bit (batch invariance rests on
     it; a compiler free to reassociate the sums orders the two loops differently)."""
     rng = np.random.default_rng(100 + int(qtype))
-    n_in = 2048 if GGML_QUANT_SIZES[qtype][0] == 256 else 1056  # long rows: 33 units of 32, or 64
+    n_in = row_width(qtype, 33)  # long rows: 33 units of 32 (or as many more as whole blocks take)
     # random block bytes, each below 0x3C so every f16 in them is finite (the gguf package's
     # quantized weights and the small scales of random_blocks hid a difference in Q4_0)
-    row = n_in // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
+    row = row_bytes(qtype, n_in)
     weight = QuantizedWeight(qtype, (29, n_in), rng.integers(0, 0x3C, (29, row), dtype=np.uint8))
     x = np.repeat(rng.standard_normal((1, n_in)).astype(np.float32), 5, axis=0)
     got = weight.times_transposed(x)

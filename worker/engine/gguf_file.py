@@ -87,7 +87,7 @@ class TensorInfo:
     @property
     def n_bytes(self) -> int:
         if self.type_id == q2_0.TYPE_ID:
-            return q2_0.n_bytes(self.n_values, self.q2_0_block or 64) or 0
+            return q2_0.n_bytes(self.n_values, self.shape[-1], self.q2_0_block or 64) or 0
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(self.type_id)]
         return self.n_values // block * size
 
@@ -176,7 +176,8 @@ class GGUFFile:
             return (later[0] if later else data_end) - info.offset
 
         alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        block = q2_0.layout([(info.name, info.n_values, room(info)) for info in q2], alignment, self.path)
+        block = q2_0.layout([(info.name, info.n_values, info.shape[-1], room(info)) for info in q2], alignment,
+                            self.path)
         for info in q2:
             self._tensors[info.name] = dataclasses.replace(info, q2_0_block=block)
 
@@ -239,7 +240,7 @@ class GGUFFile:
         info = self.tensor_info(name)
         qtype = _known_type(info.type_id)
         if info.type_id == q2_0.TYPE_ID:
-            qtype = None  # decoded by q2_0.py, never by the gguf package
+            qtype = q2_0.Layout.of(info.q2_0_block)  # decoded by q2_0.py, never by the gguf package
         elif qtype is None or qtype not in DECODABLE_TYPES:
             raise ModelLoadError(
                 f"tensor {name!r} in {self.path} has type {info.type_name}, which lmserve cannot "
@@ -279,8 +280,7 @@ class GGUFFile:
         """A weight matrix (or a stack of them) for ``x @ Wᵀ``: read in place from the file when
         a kernel serves its type, else (or with ``dense``) dequantized to float32 here."""
         info, qtype, raw = self._checked(name, shape)
-        if (dense or len(info.shape) < 2 or not kernels.available() or qtype is None
-                or not has_kernel(qtype, info.shape[-1])):
+        if dense or len(info.shape) < 2 or not kernels.available() or not has_kernel(qtype, info.shape[-1]):
             if not dense and name not in self.dense_fallbacks and len(info.shape) >= 2:
                 self.dense_fallbacks[name] = info.type_name
             return DenseWeight(self.tensor(name, shape))

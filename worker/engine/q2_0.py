@@ -11,6 +11,8 @@ tensor table is read by ``gguf_file`` and the blocks are decoded here.
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import numpy as np
 
 from shared.errors import ModelLoadError
@@ -19,22 +21,39 @@ TYPE_ID = 42
 LAYOUTS = {64: 18, 128: 34}  # weights per block -> bytes per block
 
 
-def n_bytes(n_values: int, block: int) -> int | None:
-    """A tensor's bytes in the layout, or None where its values do not fill whole blocks."""
-    return None if n_values % block else n_values // block * LAYOUTS[block]
+class Layout(IntEnum):
+    """The two layouts as a weight's block type (``QuantizedWeight.qtype``): numbers of their
+    own, clear of GGML's type ids, since both are id 42 in a file."""
+
+    Q2_0 = 1064
+    Q2_0_128 = 1128
+
+    @property
+    def block(self) -> int:
+        return self.value - 1000
+
+    @classmethod
+    def of(cls, block: int) -> Layout:
+        return cls(1000 + block)
 
 
-def layout(tensors: list[tuple[str, int, int]], alignment: int, path: str) -> int:
-    """The block size (64 or 128) every Q2_0 tensor of a file fits: (name, values, bytes from
-    its offset to the next tensor's or the data's end) each. Where both fit every tensor (tiny
-    tensors can), ggml's own 64 is taken."""
+def n_bytes(n_values: int, row: int, block: int) -> int | None:
+    """A tensor's bytes in the layout, or None where its rows (``row`` values each) do not
+    split into whole blocks (a block never spans two rows)."""
+    return None if row % block else n_values // block * LAYOUTS[block]
+
+
+def layout(tensors: list[tuple[str, int, int, int]], alignment: int, path: str) -> int:
+    """The block size (64 or 128) every Q2_0 tensor of a file fits: (name, values, values per
+    row, bytes from its offset to the next tensor's or the data's end) each. Where both fit
+    every tensor (tiny tensors can), ggml's own 64 is taken."""
     fitting = []
     for block in LAYOUTS:
-        sizes = [(n_bytes(values, block), room) for _, values, room in tensors]
+        sizes = [(n_bytes(values, row, block), room) for _, values, row, room in tensors]
         if all(size is not None and size <= room < size + alignment for size, room in sizes):
             fitting.append(block)
     if not fitting:
-        name, values, room = tensors[0]
+        name, values, _, room = tensors[0]
         raise ModelLoadError(f"{path}: Q2_0 tensor {name!r} ({values} values) occupies {room} bytes, which fits "
                              f"neither Q2_0 layout (64 values in 18 bytes, or 128 in 34)")
     return min(fitting)
@@ -50,8 +69,10 @@ def dequantize(raw: np.ndarray, block: int, shape: tuple[int, ...]) -> np.ndarra
 
 
 def quantize(values: np.ndarray, block: int) -> np.ndarray:
-    """Ternary blocks of ``values`` (rows of a multiple of ``block``): d the block's largest
+    """Ternary blocks of ``values`` [rows, n] (n a multiple of ``block``): d the block's largest
     magnitude, each weight rounded to −d, 0 or +d. Returns uint8 [rows, row bytes]."""
+    if values.shape[-1] % block:
+        raise ValueError(f"rows of {values.shape[-1]} values do not split into blocks of {block}")
     rows = values.reshape(-1, block).astype(np.float32)
     d = np.abs(rows).max(axis=1, keepdims=True)
     codes = (np.rint(np.divide(rows, d, out=np.zeros_like(rows), where=d > 0)) + 1).clip(0, 2).astype(np.uint8)

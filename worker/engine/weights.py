@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+from worker.engine import q2_0
 from worker.engine.kernels import matmul
 from worker.engine.kernels.activations import QuantizedActivations
 
@@ -31,6 +32,8 @@ INT8_KERNELS = {
     Q.Q4_K: matmul.matmul_q4_k,
     Q.Q5_K: matmul.matmul_q5_k,
     Q.Q6_K: matmul.matmul_q6_k,
+    q2_0.Layout.Q2_0: matmul.matmul_q2_0,
+    q2_0.Layout.Q2_0_128: matmul.matmul_q2_0_128,
 }
 # float type -> its kind for the kernel taking float32 activations
 FLOAT_KERNELS = {Q.F32: matmul.F32, Q.F16: matmul.F16, Q.BF16: matmul.BF16}
@@ -139,7 +142,10 @@ Weight = QuantizedWeight | DenseWeight
 
 
 def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
-    """GGML bytes [..., row bytes] -> float32 of ``shape`` (the ``gguf`` package's decoders)."""
+    """GGML bytes [..., row bytes] -> float32 of ``shape`` (the ``gguf`` package's decoders;
+    Q2_0's, which it lacks, in ``q2_0.py``)."""
+    if isinstance(qtype, q2_0.Layout):
+        return q2_0.dequantize(raw, qtype.block, shape)
     if qtype == Q.F32:
         values = raw.view(np.float32)
     elif qtype == Q.F16:
@@ -150,5 +156,7 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, .
 
 
 def row_bytes(qtype: GGMLQuantizationType, n_in: int) -> int:
+    if isinstance(qtype, q2_0.Layout):
+        return n_in // qtype.block * q2_0.LAYOUTS[qtype.block]
     block, size = GGML_QUANT_SIZES[qtype]
     return n_in // block * size

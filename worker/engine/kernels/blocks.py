@@ -23,8 +23,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, types
 
-from worker.engine.kernels.simd import (abs_bytes, bits_as_bytes, bytes_f32, dot_bytes, load_f16, load_i8x16_nibbles,
-                                        load_i8x32, load_u32, low_nibbles, mul_f32, or_bytes, pair_scales_i16,
+from worker.engine.kernels.simd import (abs_bytes, bits_as_bytes, bytes_f32, dot_bytes, load_f16, load_i8x8_crumbs,
+                                        load_i8x16_nibbles, load_i8x32, load_u32, low_nibbles, mul_f32, or_bytes,
+                                        pair_scales_i16,
                                         shifted_bits, sign_bytes, splat_f32, splat_i16, splat_i8, sub_bytes, where_bits,
                                         zeros_f32)
 
@@ -91,6 +92,23 @@ def decode_q8_0(row, u):
     # 34 bytes: scale (f16), 32 signed bytes; weight = d * q
     base = u * 34
     return load_i8x32(row, base + 2), splat_i16(1), load_f16(row, base), types.float32(0.0)
+
+
+@njit(**_inline)
+def decode_q2_0(row, u):
+    # ggml's Q2_0: 18 bytes per 64 weights, scale (f16) and 16 bytes of 2-bit codes, unit u the
+    # first or second 8 of them; weight = d * (code - 1)
+    base = (u >> 1) * 18
+    d = load_f16(row, base)
+    return load_i8x8_crumbs(row, base + 2 + (u & 1) * 8), splat_i16(1), d, -d
+
+
+@njit(**_inline)
+def decode_q2_0_128(row, u):
+    # PrismML's Q2_0: 34 bytes per 128 weights, scale and 32 bytes of codes, unit u a quarter
+    base = (u >> 2) * 34
+    d = load_f16(row, base)
+    return load_i8x8_crumbs(row, base + 2 + (u & 3) * 8), splat_i16(1), d, -d
 
 
 # --- 256-weight super-blocks (K-quants): eight units each -----------------------------------------

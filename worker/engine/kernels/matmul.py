@@ -266,6 +266,16 @@ def matmul_q5_1(weights, values, scales, sums, out):
 
 
 @njit(nogil=True, cache=True)
+def matmul_q2_0(weights, values, scales, sums, out):
+    return matmul_int8(blocks.decode_q2_0, blocks.product_unsigned, weights, values, scales, sums, out)
+
+
+@njit(nogil=True, cache=True)
+def matmul_q2_0_128(weights, values, scales, sums, out):
+    return matmul_int8(blocks.decode_q2_0_128, blocks.product_unsigned, weights, values, scales, sums, out)
+
+
+@njit(nogil=True, cache=True)
 def matmul_q8_0(weights, values, scales, sums, out):
     return matmul_int8(blocks.decode_q8_0, blocks.product_signed, weights, values, scales, sums, out)
 

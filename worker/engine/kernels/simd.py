@@ -108,6 +108,24 @@ def load_i8x16_nibbles(typingctx, array, byte_offset):
 
 
 @intrinsic
+def load_i8x8_crumbs(typingctx, array, byte_offset):
+    """8 bytes holding 32 two-bit values → 32 bytes 0..3: value j from bits 2·(j % 4) of byte
+    j // 4 (the order of Q2_0's blocks)."""
+    def codegen(context, builder, sig, args):
+        address = _address(context, builder, sig.args[0], args[0], args[1])
+        packed = _load(builder, address, ir.VectorType(ir.IntType(8), 8))
+        eight = ir.VectorType(ir.IntType(8), 8)
+        # crumb k of every byte, each in its own vector of 8 lanes
+        crumbs = [builder.and_(builder.lshr(packed, ir.Constant(eight, [2 * k] * 8)), ir.Constant(eight, [3] * 8))
+                  for k in range(4)]
+        sixteen = ir.Constant(ir.VectorType(ir.IntType(32), 16), list(range(16)))
+        low, high = (builder.shuffle_vector(crumbs[i], crumbs[i + 1], sixteen) for i in (0, 2))
+        order = [(k // 2) * 16 + (k % 2) * 8 + j // 4 for j in range(32) for k in [j % 4]]
+        return builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(ir.IntType(32), 32), order))
+    return I8x32(array, byte_offset), codegen
+
+
+@intrinsic
 def load_f16(typingctx, array, byte_offset):
     """The IEEE half at ``byte_offset`` of ``array`` as a float32."""
     def codegen(context, builder, sig, args):
