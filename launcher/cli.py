@@ -5,6 +5,7 @@
     lmserve gateway            the HTTP edge alone (--worker tcp://...)
     lmserve generate [MODEL]   complete one prompt in this process and print the speeds
     lmserve models             the models MODEL may name (fetched on first use); else a GGUF path
+    lmserve cartridge init DOC a KV prefix of a document, for --cartridge
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ COMMANDS = {
     "gateway": "gateway.main",
     "generate": "worker.generate",
     "models": "launcher.models",
+    "cartridge": "worker.cartridge",
 }
 
 

@@ -59,6 +59,9 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", choices=("borrow",), default="borrow",
                    help="how mixture-of-experts weights are held: 'borrow' (the only mode) reads them "
                         "in place from the memory-mapped file, only the routed experts' blocks")
+    p.add_argument("--cartridge", metavar="FILE", default=None,
+                   help="a KV prefix (lmserve cartridge init) put before every conversation; its positions "
+                        "come out of the context budget")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve the worker's Prometheus metrics on this port (0: not at all), on the host of "
                         "the worker's tcp endpoint (loopback for ipc)")

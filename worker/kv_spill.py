@@ -39,14 +39,16 @@ class KVSpiller:
         self.max_pending_bytes = max_pending_bytes
         self.stats = SpillStats()
         self._pending_bytes = 0
+        # what every cache starts with beyond its tokens (a cartridge's id): part of each chunk's key
+        self.prefix_ids: tuple[str, ...] = ()
         self._in_flight: set[str] = set()  # queued, not yet written: not queued again
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, KVChunk] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._writer, name="kv-spill", daemon=True)
         self._thread.start()
 
-    def keys_for(self, tokens: list[int], prefix_ids: tuple[str, ...] = ()) -> list[str]:
-        return chunk_keys(self.fingerprint, tokens, self.chunk_tokens, prefix_ids)
+    def keys_for(self, tokens: list[int]) -> list[str]:
+        return chunk_keys(self.fingerprint, tokens, self.chunk_tokens, self.prefix_ids)
 
     # --- restore (engine thread) -----------------------------------------------------------
 

@@ -16,6 +16,7 @@ from shared.errors import LmserveError
 from shared.load_progress import ProgressBar, StatusWriter
 from shared.memory import fix_mmap_threshold
 from worker import metrics
+from worker.cartridge import Cartridge
 from worker.engine import Engine, kernels
 from worker.flags import build_parser, check_worker_flags, metrics_host, model_argument
 from worker.kv_spill import KVSpiller
@@ -100,7 +101,15 @@ def main(argv: list[str] | None = None) -> int:
             metrics.serve(args.metrics_port, metrics_host(args.worker))
         kv_slots = resident_slot_count(args.kv_slots, args.batch)
         ctx = args.ctx or context_budget(engine, kv_slots, available_memory(), log)
+        cartridge = Cartridge.load(args.cartridge, engine) if args.cartridge else None
+        if cartridge is not None:
+            if cartridge.tokens >= ctx:
+                raise LmserveError(f"the cartridge {args.cartridge} takes {cartridge.tokens} positions, which "
+                                   f"leaves nothing of the context budget --ctx {ctx}")
+            log.info("cartridge %s: %d positions before every conversation", cartridge.name, cartridge.tokens)
         spiller = _spiller(args, engine, ctx)
+        if spiller is not None and cartridge is not None:
+            spiller.prefix_ids = (cartridge.cartridge_id,)
         if spiller is not None:
             log.info("kvstore: %s, %d-token chunks", spiller.store.describe(), spiller.chunk_tokens)
         server = WorkerServer(engine, WorkerSettings(
@@ -109,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             scheduler=SchedulerSettings(ctx=ctx, queue=args.queue, batch=args.batch,
                                         kv_slots=kv_slots,
                                         prefill_chunk=args.prefill_chunk, threads=threads,
-                                        scripted_replies=scripted)))
+                                        scripted_replies=scripted, cartridge=cartridge)))
     except LmserveError as exc:
         print(f"lmserve worker: {exc.message}", file=sys.stderr)
         return 2

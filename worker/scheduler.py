@@ -37,6 +37,7 @@ from shared.sampling_params import SamplingParams
 from worker import metrics
 from worker.engine import kernels
 from worker.engine import Engine
+from worker.cartridge import Cartridge
 from worker.engine.sampling import Sampler
 from worker.grammar import GrammarEngine, error_text
 from worker.kv_slots import Slot, SlotPool
@@ -66,6 +67,12 @@ class SchedulerSettings:
     prefill_chunk: int = 256  # prompt tokens per step while others decode
     threads: int | None = None  # kernel threads of the engine thread (None: every core)
     scripted_replies: ScriptedReplies | None = None  # tests only: replay given tokens (worker/scripted.py)
+    cartridge: Cartridge | None = None  # a KV prefix before every conversation (worker/cartridge.py)
+
+    @property
+    def prefix(self) -> int:
+        """Cache positions the cartridge takes before each conversation's own."""
+        return self.cartridge.tokens if self.cartridge is not None else 0
 
     @property
     def slot_count(self) -> int:
@@ -231,10 +238,14 @@ class Scheduler:
         # a prompt may be scored and nothing generated (how evaluation harnesses score text)
         if request.max_tokens < (0 if request.prompt_logprobs >= 0 else 1):
             raise InvalidRequestError("max_tokens must be at least 1")
-        if len(prompt) >= self.settings.ctx:
+        room = self.settings.ctx - self.settings.prefix
+        if len(prompt) >= room:
+            held = f", {self.settings.prefix} of them the cartridge's" if self.settings.prefix else ""
             raise InvalidRequestError(
-                f"prompt is too long: {len(prompt)} tokens > {self.settings.ctx - 1} maximum "
-                f"(the context budget --ctx is {self.settings.ctx} tokens, prompt and completion together)")
+                f"prompt is too long: {len(prompt)} tokens > {room - 1} maximum "
+                f"(the context budget --ctx is {self.settings.ctx} tokens{held}, prompt and completion together)")
+        if self.settings.cartridge is not None and request.prompt_logprobs >= 0:
+            raise InvalidRequestError("a prompt is not scored behind a cartridge (prompt_logprobs)")
         if request.grammar is not None and self.grammar is None:
             raise InvalidRequestError("constrained decoding (grammar) is not available in this worker")
         if request.cartridge_ids:
@@ -266,27 +277,39 @@ class Scheduler:
                 if not self.waiting or len(self.running) >= self.settings.batch:
                     return
                 stream = self.waiting[0]
-                choice = self.pool.acquire(stream.request.prompt, stream.request.cache_hint)
+                choice = self.pool.acquire(self._held(stream), stream.request.cache_hint)
                 if choice is None:
                     return
                 self.waiting.popleft()
                 stream.slot = choice.slot
             # restoring reads the kvstore: done outside the lock so admission answers never wait
             cached = choice.reused_tokens
+            held = self._held(stream)
+            cartridge = self.settings.cartridge
+            if cartridge is not None and cached < cartridge.tokens:
+                cartridge.put_into(stream.slot.cache)  # a slot without the prefix gets it first
+                cached = cartridge.tokens
             if stream.scores is not None:  # every prompt position's logits are needed: compute all
                 cached = 0
                 stream.slot.cache.truncate(0)
             elif self.spiller is not None:
                 try:
-                    cached = self.spiller.restore(stream.slot.cache, stream.request.prompt, cached)
+                    cached = self.spiller.restore(stream.slot.cache, held, cached)
                 except Exception:
                     log.exception("restoring KV for %s failed; computing it instead", stream.request.request_id)
-                    stream.slot.cache.truncate(choice.reused_tokens)
-            stream.cached = cached
-            stream.pending = list(stream.request.prompt[cached:])
+                    stream.slot.cache.truncate(max(choice.reused_tokens, self.settings.prefix))
+            stream.cached = cached - self.settings.prefix  # of the conversation's own tokens
+            stream.pending = list(held[cached:])
             stream.slot.cache.reserve(len(stream.pending))  # grown once, not chunk by chunk
             with self.lock:
                 self.running.append(stream)
+
+    def _held(self, stream: Stream) -> list[int]:
+        """The tokens a stream's cache holds once its prompt is read: the cartridge's pseudo-ids
+        (if any), then the prompt."""
+        cartridge = self.settings.cartridge
+        prompt = stream.request.prompt
+        return prompt if cartridge is None else cartridge.pseudo_ids + list(prompt)
 
     def step(self) -> None:
         """One weight pass for every running stream: a token each for decoding streams, a prompt
@@ -458,7 +481,7 @@ class Scheduler:
             self._finish(stream, FinishReason.STOP)
         elif stream.completion >= request.max_tokens:
             self._finish(stream, FinishReason.LENGTH)
-        elif len(request.prompt) + stream.completion >= self.settings.ctx:
+        elif self.settings.prefix + len(request.prompt) + stream.completion >= self.settings.ctx:
             self._finish(stream, FinishReason.CONTEXT)
         else:
             stream.next_token = token.token_id

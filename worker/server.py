@@ -99,7 +99,7 @@ class WorkerServer:
                     else chat_template_from_metadata(engine.metadata))
         return ModelCard(
             version=PROTOCOL_VERSION, model_id=engine.model_id, architecture=engine.architecture,
-            context_budget=sched.ctx, n_vocab=engine.model.hp.n_vocab,
+            context_budget=sched.ctx - sched.prefix, n_vocab=engine.model.hp.n_vocab,
             tokenizer=engine.tokenizer.to_spec(),
             chat_template=template.source if template else None,
             fingerprint=engine.fingerprint, instance=self.instance,

@@ -103,7 +103,8 @@ class SafetensorsFile:
                 raise ValueError("its header is not a JSON object")
         except (OSError, struct.error, ValueError) as exc:
             raise ModelLoadError(f"{self.path} is not a safetensors file ({exc})") from exc
-        header.pop("__metadata__", None)
+        metadata = header.pop("__metadata__", None)
+        self.metadata: dict[str, str] = metadata if isinstance(metadata, dict) else {}
         self.start = 8 + length
         room = len(self._map) - self.start
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
