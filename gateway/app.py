@@ -106,8 +106,13 @@ class Gateway:
                                     generate(view, self.client, neutral, prepared, self.settings.ping_interval,
                                              self.cut))
         first = await _first_started(events)
+        # which cartridges (KV prefixes) the worker put before this conversation
+        served = {CARTRIDGES_HEADER: ",".join(view.card.capabilities.cartridges)} \
+            if view.card.capabilities.cartridges else {}
         if neutral.stream:
-            return sse.streaming_response(_stream_body(dialect, neutral, view, first, events))
+            response = sse.streaming_response(_stream_body(dialect, neutral, view, first, events))
+            response.headers.update(served)
+            return response
         completion = Completion()
         completion.add(first)
         async with _abort_on_disconnect(request), aclosing(events):
@@ -116,7 +121,7 @@ class Gateway:
         finish = completion.finish
         if finish is None or finish.reason == "error":
             raise LmserveError(finish.error if finish and finish.error else "generation failed")
-        return JSONResponse(dialect.render(neutral, view, completion))
+        return JSONResponse(dialect.render(neutral, view, completion), headers=served)
 
 
 def _read_request(raw: bytes, dialect: ModuleType, view: ModelView, headers: Any
@@ -176,7 +181,8 @@ def models_body(view: ModelView, created: int) -> dict[str, Any]:
              "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
              "max_input_tokens": view.context_budget, "context_length": view.context_budget,
              # what the model can be asked for beyond text (the playground reads these)
-             "reasoning": view.has_reasoning_channel, "tool_calls": view.tool_call_tags is not None}
+             "reasoning": view.has_reasoning_channel, "tool_calls": view.tool_call_tags is not None,
+             "cartridges": view.card.capabilities.cartridges}
     return {"object": "list", "data": [entry], "has_more": False, "first_id": model_id, "last_id": model_id}
 
 
@@ -190,6 +196,7 @@ def package_version() -> str:
 VERSION = package_version()
 # /docs renders with Swagger UI from a CDN, at a fixed version (not whatever is newest)
 SWAGGER_UI = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5.17.14"
+CARTRIDGES_HEADER = "x-lmserve-cartridges"
 # The playground (GET / from a browser): one static page that talks to the API like any client.
 PLAYGROUND = (Path(__file__).parent / "static" / "playground.html").read_text(encoding="utf-8")
 

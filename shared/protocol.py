@@ -127,6 +127,7 @@ class Capabilities:
     kv_slots: int = 1
     queue: int = 16
     kvstore: str | None = None  # the kvstore's description, None without one
+    cartridges: list[str] = field(default_factory=list)  # names of the KV prefixes before every conversation
     worker: str = ""  # host:pid of the worker process
 
     @classmethod

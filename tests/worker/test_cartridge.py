@@ -117,6 +117,10 @@ def test_served_behind_a_cartridge_in_every_dialect(tiny, start_worker, start_ga
     worker = start_worker(folder / "qwen3.gguf", "--cartridge", str(folder / "doc.safetensors"), "--ctx", "256")
     gateway = start_gateway(worker)
     assert worker.card().context_budget == 256 - 24
+    assert httpx.get(gateway.url + "/v1/models", timeout=10).json()["data"][0]["cartridges"] == ["doc"]
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}) as streamed:
+        assert streamed.headers["x-lmserve-cartridges"] == "doc"
     user = [{"role": "user", "content": "Who built the lighthouse?"}]
     for path, body, usage in (
             ("/v1/chat/completions", {"messages": user, "max_tokens": 4}, "prompt_tokens"),
@@ -124,6 +128,7 @@ def test_served_behind_a_cartridge_in_every_dialect(tiny, start_worker, start_ga
             ("/v1/messages", {"messages": user, "max_tokens": 4}, "input_tokens")):
         reply = httpx.post(gateway.url + path, json={"model": "m", **body}, timeout=60)
         assert reply.status_code == 200, reply.text
+        assert reply.headers["x-lmserve-cartridges"] == "doc"  # which prefix served it
         counted = reply.json()["usage"]
         assert 0 < counted[usage] < 40, json.dumps(counted)  # the conversation's tokens, not the prefix's
 
