@@ -35,13 +35,23 @@ from worker.engine.kv_cache import KVCache
 FORMAT = "lmserve-cartridge-1"
 
 
+KEY_LAYOUT = "rope-v2"  # how the engine lays keys out (as its KV fingerprint says): part of a match
+
+
 def model_identity(engine: Engine) -> dict[str, object]:
-    """What a cartridge must match: the family, the KV geometry and the weights' file size."""
+    """What a cartridge must match: the family, the KV geometry, and the weights (their file's
+    size and a digest of its first and last MiB, as the engine's KV fingerprint reads them)."""
     path = Path(engine.model.path)
     weights = path / "model.safetensors" if path.is_dir() else path
+    size = weights.stat().st_size
+    digest = hashlib.sha256(f"{size}:{KEY_LAYOUT}".encode())
+    with open(weights, "rb") as fh:
+        digest.update(fh.read(1 << 20))
+        fh.seek(max(0, size - (1 << 20)))
+        digest.update(fh.read(1 << 20))
     return {"architecture": engine.architecture,
             "geometry": [list(g) for g in engine.new_cache(1).geometry],
-            "weights_bytes": weights.stat().st_size}
+            "weights": digest.hexdigest()[:32]}
 
 
 @dataclass
@@ -73,8 +83,11 @@ class Cartridge:
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(f"{path}: its metadata is incomplete ({exc})") from exc
         here = model_identity(engine)
+        if engine.model.reads_cache_tokens:
+            raise ModelLoadError(f"{path}: this model reads the tokens its cache holds (nanochat's smear reads the "
+                                 f"previous token), which a cartridge's positions have not; it cannot serve one")
         for key, what in (("architecture", "a model of family"), ("geometry", "a model with the KV geometry"),
-                          ("weights_bytes", "a weights file of")):
+                          ("weights", "the weights whose digest is")):
             if made_for.get(key) != here[key]:
                 raise ModelLoadError(f"{path} was made for {what} {made_for.get(key)}, and this model's is "
                                      f"{here[key]}: a cartridge serves only the model it was made from")
@@ -93,7 +106,11 @@ class Cartridge:
         else:
             stacked_keys = np.concatenate([k.ravel() for k in keys])
             stacked_values = np.concatenate([v.ravel() for v in values])
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        digest = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+        digest = digest.hexdigest()[:16]
         return cls(f"cartridge:{digest}", path.stem, tokens, stacked_keys.astype(cache.dtype),
                    stacked_values.astype(cache.dtype))
 

@@ -38,12 +38,14 @@ class SlotPool:
     def free_count(self) -> int:
         return sum(not s.busy for s in self.slots)
 
-    def acquire(self, prompt: list[int], session: str | None = None) -> SlotChoice | None:
+    def acquire(self, prompt: list[int], session: str | None = None, floor: int = 0) -> SlotChoice | None:
         """The free slot sharing the longest prefix with ``prompt``; else the least recently used.
 
         Ties on prefix length go to the slot of the same session, then to the most recent one.
         The slot's cache is truncated to the reused prefix; at least one prompt token is always
-        left to compute, because the next token's logits come from it.
+        left to compute, because the next token's logits come from it. ``floor``: the leading
+        tokens every cache holds alike (a cartridge's): sharing no more than those is sharing
+        nothing, so the least recently used slot is taken, keeping at most those.
         """
         free = [s for s in self.slots if not s.busy]
         if not free:
@@ -54,9 +56,9 @@ class SlotPool:
 
         best = max(free, key=score)
         reused = min(best.cache.common_prefix(prompt), len(prompt) - 1)
-        if reused <= 0:
+        if reused <= floor:
             best = min(free, key=lambda s: s.last_used)
-            reused = 0
+            reused = min(best.cache.common_prefix(prompt), floor, len(prompt) - 1)
         best.cache.truncate(reused)
         best.busy = True
         best.session = session

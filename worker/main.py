@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx = args.ctx or context_budget(engine, kv_slots, available_memory(), log)
         cartridge = Cartridge.load(args.cartridge, engine) if args.cartridge else None
         if cartridge is not None:
-            if cartridge.tokens >= ctx:
+            if cartridge.tokens > ctx - 2:  # a prompt of one token and one generated must fit after it
                 raise LmserveError(f"the cartridge {args.cartridge} takes {cartridge.tokens} positions, which "
-                                   f"leaves nothing of the context budget --ctx {ctx}")
+                                   f"leaves no room in the context budget of {ctx} tokens (--ctx)")
             log.info("cartridge %s: %d positions before every conversation", cartridge.name, cartridge.tokens)
         spiller = _spiller(args, engine, ctx)
         if spiller is not None and cartridge is not None:

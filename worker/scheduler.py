@@ -60,7 +60,7 @@ def resident_slot_count(kv_slots: int, batch: int) -> int:
 
 @dataclass
 class SchedulerSettings:
-    ctx: int = 4096  # per-request budget: prompt + completion
+    ctx: int = 4096  # per-request budget: a cartridge's positions, prompt and completion
     queue: int = 16  # waiting requests beyond which new ones get BUSY
     batch: int = 1  # streams decoded together
     kv_slots: int = 1  # resident caches asked for (see slot_count)
@@ -249,7 +249,8 @@ class Scheduler:
         if request.grammar is not None and self.grammar is None:
             raise InvalidRequestError("constrained decoding (grammar) is not available in this worker")
         if request.cartridge_ids:
-            raise InvalidRequestError("cartridges are not available in this worker")
+            raise InvalidRequestError("a request cannot name cartridges here: the worker serves the one of "
+                                      "--cartridge, before every conversation")
         params = request.sampling
         stop_ids = set(request.stop_ids) if request.stop_ids is not None else set(self.engine.tokenizer.stop_ids)
         script = self.settings.scripted_replies
@@ -277,7 +278,7 @@ class Scheduler:
                 if not self.waiting or len(self.running) >= self.settings.batch:
                     return
                 stream = self.waiting[0]
-                choice = self.pool.acquire(self._held(stream), stream.request.cache_hint)
+                choice = self.pool.acquire(self._held(stream), stream.request.cache_hint, self.settings.prefix)
                 if choice is None:
                     return
                 self.waiting.popleft()
@@ -297,7 +298,10 @@ class Scheduler:
                     cached = self.spiller.restore(stream.slot.cache, held, cached)
                 except Exception:
                     log.exception("restoring KV for %s failed; computing it instead", stream.request.request_id)
-                    stream.slot.cache.truncate(max(choice.reused_tokens, self.settings.prefix))
+                    cached = stream.slot.cache.length  # what is still valid of what it held
+                    if cartridge is not None and cached < cartridge.tokens:
+                        cartridge.put_into(stream.slot.cache)
+                        cached = cartridge.tokens
             stream.cached = cached - self.settings.prefix  # of the conversation's own tokens
             stream.pending = list(held[cached:])
             stream.slot.cache.reserve(len(stream.pending))  # grown once, not chunk by chunk
@@ -433,14 +437,14 @@ class Scheduler:
             return None
         prompt, k = stream.request.prompt, stream.request.prompt_logprobs
         start = len(prompt) - len(stream.pending)  # the chunk's first position in the prompt
-        wide = rows.astype(np.float64)
-        peak = wide.max(axis=1, keepdims=True)
-        logprobs = wide - (peak + np.log(np.exp(wide - peak).sum(axis=1, keepdims=True)))
         for j in range(len(tokens)):
             target = start + j + 1
             if target >= len(prompt):
                 break  # the last row predicts the first generated token, not a prompt one
-            row = logprobs[j]
+            # one row at a time in float64: a chunk's whole [T, vocab] would be gigabytes
+            wide = rows[j].astype(np.float64)
+            peak = wide.max()
+            row = wide - (peak + np.log(np.exp(wide - peak).sum()))
             top = np.argpartition(-row, k)[:k] if k else np.zeros(0, dtype=np.int64)
             top = top[np.argsort(-row[top], kind="stable")]
             stream.scores.append([float(row[prompt[target]]), [[int(i), float(row[i])] for i in top]])

@@ -145,3 +145,32 @@ def test_the_command_writes_a_cartridge(tiny, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "16 positions" in done.stdout
     assert Cartridge.load(tmp_path / "c.safetensors", engine).tokens == 16
+
+
+def test_prefix_reuse_across_slots_behind_a_cartridge(tiny):
+    """Every cache starts with the cartridge: sharing only that is sharing nothing, so a new
+    conversation takes the least recently used slot and the others keep theirs."""
+    from worker.kv_slots import SlotPool
+
+    _, engine, cartridge = tiny
+    pool = SlotPool(engine.model, 3, 128)
+    first, second = cartridge.pseudo_ids + list(range(100, 140)), cartridge.pseudo_ids + list(range(200, 240))
+    for prompt in (first, second):
+        choice = pool.acquire(prompt, floor=cartridge.tokens)
+        cartridge.put_into(choice.slot.cache)
+        engine.model.forward([(choice.slot.cache, prompt[cartridge.tokens:])])
+        pool.release(choice.slot)
+    again = pool.acquire(first + [7], floor=cartridge.tokens)
+    assert again.reused_tokens == len(first)  # the first conversation's slot, still whole
+
+
+def test_a_model_that_reads_its_cache_tokens_refuses_a_cartridge(tiny, tmp_path):
+    from tiny_nanochat import write_tiny_nanochat
+
+    folder, _, _ = tiny
+    write_tiny_nanochat(tmp_path / "nanochat", "native")  # its smear reads the previous token
+    engine = Engine.load(str(tmp_path / "nanochat"))
+    cache, tokens = from_document(engine, DOCUMENT, 8)
+    write(tmp_path / "nano.safetensors", engine, cache, tokens, "test")
+    with pytest.raises(ModelLoadError, match="smear"):
+        Cartridge.load(tmp_path / "nano.safetensors", engine)

@@ -15,6 +15,7 @@ Everything that can go wrong with a file (missing, truncated, not GGUF, a tensor
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import mmap
@@ -172,8 +173,8 @@ class GGUFFile:
         data_end = size - self._data_start
 
         def room(info: TensorInfo) -> int:
-            later = [start for start in starts if start > info.offset]
-            return (later[0] if later else data_end) - info.offset
+            later = bisect.bisect_right(starts, info.offset)
+            return (starts[later] if later < len(starts) else data_end) - info.offset
 
         alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         block = q2_0.layout([(info.name, info.n_values, info.shape[-1], room(info)) for info in q2], alignment,

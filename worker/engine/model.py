@@ -192,6 +192,8 @@ class DecoderModel:
     rope_adjacent: ClassVar[bool] = False
     activation: ClassVar[str] = "silu"  # the gate's activation in the gated FFN (ACTIVATIONS)
     has_output_norm: ClassVar[bool] = True  # False: the final RMSNorm has no weight
+    # the forward pass reads the token ids a cache holds (not only its keys and values)
+    reads_cache_tokens: bool = False
 
     def __init__(self, gguf: GGUFFile, exact: bool = False, kv_type: str = "f16"):
         self.path = gguf.path

@@ -53,9 +53,16 @@ def layout(tensors: list[tuple[str, int, int, int]], alignment: int, path: str) 
         if all(size is not None and size <= room < size + alignment for size, room in sizes):
             fitting.append(block)
     if not fitting:
-        name, values, _, room = tensors[0]
-        raise ModelLoadError(f"{path}: Q2_0 tensor {name!r} ({values} values) occupies {room} bytes, which fits "
-                             f"neither Q2_0 layout (64 values in 18 bytes, or 128 in 34)")
+        for name, values, row, room in tensors:
+            sizes = [n_bytes(values, row, block) for block in LAYOUTS]
+            if all(size is not None and room < size for size in sizes):
+                raise ModelLoadError(f"{path} is truncated: Q2_0 tensor {name!r} ({values} values) has only "
+                                     f"{room} bytes")
+            if not any(size is not None and size <= room < size + alignment for size in sizes):
+                raise ModelLoadError(f"{path}: Q2_0 tensor {name!r} ({values} values) occupies {room} bytes, "
+                                     f"which fits neither Q2_0 layout (64 values in 18 bytes, or 128 in 34)")
+        raise ModelLoadError(f"{path}: its Q2_0 tensors fit no one layout: some fit only 64-value blocks, "
+                             f"others only 128-value ones")
     return min(fitting)
 
 

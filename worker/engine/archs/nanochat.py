@@ -50,6 +50,7 @@ class NanochatModel(DecoderModel):
         hp = super().read_hparams(gguf)
         meta = gguf.metadata
         self.smear = gguf.has_tensor("smear_gate.weight")
+        self.reads_cache_tokens = self.smear  # the smear mixes in the cache's last token
         self.softcap = float(meta.get("nanochat.final_logit_softcapping", 15.0))
         pattern = str(meta.get("nanochat.window_pattern", "L")).upper()
         short = -(-hp.context_length // 4 // 128) * 128
