@@ -278,7 +278,10 @@ class Scheduler:
                 if not self.waiting or len(self.running) >= self.settings.batch:
                     return
                 stream = self.waiting[0]
-                choice = self.pool.acquire(self._held(stream), stream.request.cache_hint, self.settings.prefix)
+                held = self._held(stream)
+                # a prompt to score is computed whole: it takes the least recently used slot
+                floor = len(held) if stream.scores is not None else self.settings.prefix
+                choice = self.pool.acquire(held, stream.request.cache_hint, floor)
                 if choice is None:
                     return
                 self.waiting.popleft()
