@@ -27,7 +27,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tiny_models import vocab_metadata
 
-from worker.engine.checkpoint import CONTROL_TOKENS, SPLIT_PATTERN, TOOL_TOKENS
+from worker.engine.checkpoint import CONTROL_TOKENS, SPLIT_PATTERN, TOOL_TOKENS, write_safetensors
 
 SPECIAL_TOKENS = (*CONTROL_TOKENS[:5], TOOL_TOKENS[0], TOOL_TOKENS[1], *CONTROL_TOKENS[5:])
 N_LAYER, N_EMBD, N_HEAD, N_KV_HEAD, SEQUENCE_LEN = 4, 64, 4, 2, 256
@@ -123,15 +123,6 @@ def write_tiny_nanochat(folder: str | os.PathLike, layout: str = "native", seed:
 
 
 def _save_bf16(tensors: dict[str, np.ndarray], path: Path) -> None:
-    header: dict[str, Any] = {}
-    blobs, offset = [], 0
-    for name, array in tensors.items():
-        bits = (np.ascontiguousarray(array, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
-        blob = bits.tobytes()
-        header[name] = {"dtype": "BF16", "shape": list(array.shape), "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
-    encoded = json.dumps(header).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as fh:
-        fh.write(len(encoded).to_bytes(8, "little") + encoded + b"".join(blobs))
+    write_safetensors(path, {name: ("BF16", array.shape, (np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
+                                                        >> 16).astype(np.uint16).tobytes())
+                             for name, array in tensors.items()})

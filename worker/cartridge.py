@@ -29,7 +29,7 @@ import numpy as np
 
 from shared.errors import ModelLoadError
 from worker.engine import Engine
-from worker.engine.checkpoint import SafetensorsFile, floats
+from worker.engine.checkpoint import SafetensorsFile, floats, write_safetensors
 from worker.engine.kv_cache import KVCache
 
 FORMAT = "lmserve-cartridge-1"
@@ -124,21 +124,11 @@ def write(path: str | os.PathLike, engine: Engine, cache: KVCache, tokens: int, 
     """Save positions 0..tokens−1 of a cache as a cartridge of this engine's model."""
     tensors = {}
     for layer in range(cache.n_layer):
-        tensors[f"keys.{layer}"] = np.ascontiguousarray(cache.keys[layer][:, :tokens], dtype=np.float16)
-        tensors[f"values.{layer}"] = np.ascontiguousarray(cache.values[layer][:, :tokens], dtype=np.float16)
-    header: dict[str, object] = {"__metadata__": {"format": FORMAT, "model": json.dumps(model_identity(engine)),
-                                                  "tokens": str(tokens), "source": source}}
-    offset, blobs = 0, []
-    for name, array in tensors.items():
-        blob = array.tobytes()
-        header[name] = {"dtype": "F16", "shape": list(array.shape), "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
-    encoded = json.dumps(header).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    partial = Path(f"{path}.partial")
-    partial.write_bytes(len(encoded).to_bytes(8, "little") + encoded + b"".join(blobs))
-    os.replace(partial, path)
+        for name, held in (("keys", cache.keys[layer]), ("values", cache.values[layer])):
+            array = np.ascontiguousarray(held[:, :tokens], dtype=np.float16)
+            tensors[f"{name}.{layer}"] = ("F16", array.shape, array.tobytes())
+    write_safetensors(path, tensors, {"format": FORMAT, "model": json.dumps(model_identity(engine)),
+                                      "tokens": str(tokens), "source": source})
 
 
 def from_document(engine: Engine, text: str, tokens: int) -> tuple[KVCache, int]:

@@ -131,6 +131,24 @@ class SafetensorsFile:
         return dtype, shape, np.frombuffer(self._map, dtype=np.uint8, count=end - begin, offset=self.start + begin)
 
 
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, tuple[str, tuple[int, ...], bytes]],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file: name -> (dtype, shape, raw bytes), in order; atomically."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, (dtype, shape, blob) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    partial = Path(f"{os.fspath(path)}.partial")
+    with open(partial, "wb") as fh:
+        fh.write(len(encoded).to_bytes(8, "little") + encoded)
+        for _, _, blob in tensors.values():
+            fh.write(blob)
+    os.replace(partial, path)
+
+
 def floats(dtype: str, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """A tensor's bytes as float32 of ``shape``."""
     if dtype == "BF16":
