@@ -242,16 +242,20 @@ class ByteLevelBPE(VocabularyModel):
     @classmethod
     def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
         kind = PRE_KINDS[PRE_NAMES[spec["pre"]]]
-        try:
-            backend = _HFTokenizer(models.BPE(vocab=vocab, merges=_merge_pairs(spec["merges"]),
-                                              ignore_merges=kind.ignore_merges))
-        except Exception as exc:  # the tokenizers library raises a bare Exception here
-            raise TokenizerError(f"the vocabulary's BPE merges are inconsistent: {exc}") from exc
+        backend = _stored_merges_bpe(vocab, spec["merges"], ignore_merges=kind.ignore_merges)
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in kind.splits]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
         return backend
+
+
+def _stored_merges_bpe(vocab: dict[str, int], lines: list[str], **options: Any) -> _HFTokenizer:
+    """A BPE encoder from a file's merges ("left right" strings)."""
+    try:
+        return _HFTokenizer(models.BPE(vocab=vocab, merges=_merge_pairs(lines), **options))
+    except Exception as exc:  # the tokenizers library raises a bare Exception here
+        raise TokenizerError(f"the vocabulary's BPE merges are inconsistent: {exc}") from exc
 
 
 def _merge_pairs(lines: list[str]) -> list[tuple[str, str]]:
@@ -331,7 +335,7 @@ class SentencePieceBPE(VocabularyModel):
         return backend
 
 
-class Gemma4BPE(VocabularyModel):
+class Gemma4BPE(SentencePieceBPE):
     """Gemma 4's vocabulary: SentencePiece's pieces (a space spelled ▁, ``<0xAB>`` tokens for
     the bytes no piece covers) joined by the ranked BPE merges the file stores, over the raw
     text cut only into runs of line breaks and the lines between them (llama.cpp's split for
@@ -352,20 +356,8 @@ class Gemma4BPE(VocabularyModel):
             raise TokenizerError("tokenizer spec lacks merges")
 
     @classmethod
-    def add_bos_default(cls, spec: dict[str, Any]) -> bool:
-        return True
-
-    @classmethod
-    def piece_bytes(cls, piece: str, token_type: int) -> bytes:
-        return SentencePieceBPE.piece_bytes(piece, token_type)
-
-    @classmethod
     def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
-        try:
-            backend = _HFTokenizer(models.BPE(vocab=vocab, merges=_merge_pairs(spec["merges"]),
-                                              byte_fallback=True, fuse_unk=False))
-        except Exception as exc:  # the tokenizers library raises a bare Exception here
-            raise TokenizerError(f"the vocabulary's BPE merges are inconsistent: {exc}") from exc
+        backend = _stored_merges_bpe(vocab, spec["merges"], byte_fallback=True, fuse_unk=False)
         backend.normalizer = normalizers.Replace(" ", "\u2581")
         backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
         return backend
