@@ -1,7 +1,7 @@
 """Every benchmark in one go: ``python -m bench [--quick] [--only engine,serve]``.
 
 Runs, one after another and each in its own process (so one's memory and threads do not bleed
-into the next), bench.engine, bench.worker, bench.serve, bench.prefix and bench.grammar, and
+into the next), bench.engine, bench.worker, bench.serve, bench.prefix, bench.grammar and bench.route, and
 prints their figures as they come. A benchmark this checkout does not have is skipped with a
 note. Each of them also runs alone: ``python -m bench.serve --help``.
 """
@@ -16,12 +16,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHES = ("engine", "worker", "serve", "prefix", "grammar")
+BENCHES = ("engine", "worker", "serve", "prefix", "grammar", "route")
 # Flags for a smoke run, per benchmark (the others take their defaults).
 QUICK_FLAGS: dict[str, list[str]] = {
     "engine": ["--repeats", "1"],
     "worker": ["--repeats", "1", "--tokens", "16"],
     "serve": ["--quick"],
+    "route": ["--conversations", "4", "--turns", "3"],
 }
 REPEATABLE = ("engine", "worker", "serve")  # the ones that take --repeats
 

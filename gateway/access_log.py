@@ -26,6 +26,7 @@ from gateway.neutral import (
     Event,
     Finish,
     LogprobsDelta,
+    Placement,
     ReasoningDelta,
     Started,
     TextDelta,
@@ -62,6 +63,7 @@ class AccessRecord:
     finish: str | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    placement: Placement | None = None  # the worker that took a model request, and why
 
     def fields(self, gateway: str, ended: float) -> dict[str, Any]:
         def ms(at: float | None) -> float | None:
@@ -71,7 +73,9 @@ class AccessRecord:
                 "path": self.path, "status": self.status, "stream": self.stream,
                 "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "completion_tokens": self.completion_tokens, "finish": self.finish,
-                "ttft_ms": ms(self.first_token_at), "total_ms": ms(ended)}
+                "ttft_ms": ms(self.first_token_at), "total_ms": ms(ended),
+                "worker": self.placement.worker if self.placement else None,
+                "route": self.placement.route if self.placement else None}
 
 
 def text_line(fields: dict[str, Any]) -> str:
@@ -83,7 +87,7 @@ def text_line(fields: dict[str, Any]) -> str:
         return str(value)
 
     keys = ("dialect", "stream", "prompt_tokens", "cached_tokens", "completion_tokens", "finish",
-            "ttft_ms", "total_ms")
+            "ttft_ms", "total_ms", "worker", "route")
     return f"{fields['method']} {fields['path']} {show(fields['status'])} " + " ".join(
         f"{key.removesuffix('_tokens')}={show(fields[key])}" for key in keys)
 
@@ -105,6 +109,7 @@ async def observe(scope: dict[str, Any], stream: bool, events: AsyncIterator[Eve
                     record.last_token_at = now
                 elif isinstance(event, Started):
                     record.prompt_tokens = event.prompt_tokens
+                    record.placement = event.placement
                 elif isinstance(event, Finish):
                     record.prompt_tokens = event.usage.prompt_tokens
                     record.cached_tokens = event.usage.cached_tokens

@@ -33,7 +33,7 @@ from gateway.neutral import Event, NeutralRequest, Ping, Started
 from gateway.prompting import ModelView
 from gateway.request_fields import parse_json_object
 from gateway.tool_calls import ToolPlan
-from gateway.worker_client import WorkerClient
+from gateway.worker_pool import WorkerPool
 from shared.errors import (
     InvalidRequestError,
     LmserveError,
@@ -47,7 +47,9 @@ log = logging.getLogger("lmserve.gateway")
 
 @dataclass
 class GatewaySettings:
-    worker: str = DEFAULT_ENDPOINT
+    worker: str = DEFAULT_ENDPOINT  # endpoints, comma-separated; dns+tcp://NAME:PORT for all NAME resolves to
+    route: str = "prefix"  # prefix | round-robin (gateway.worker_pool)
+    route_queue_tokens: int = 0  # 0: measured (gateway.worker_pool.QueueCost)
     edge: EdgeSettings = field(default_factory=EdgeSettings)
     ping_interval: float = 10.0  # seconds of silence before an SSE keep-alive
     heartbeat_interval: float = 1.0
@@ -58,12 +60,13 @@ class GatewaySettings:
 
 
 class Gateway:
-    """The state one gateway process keeps: its worker client and the model it serves."""
+    """The state one gateway process keeps: its workers and the model they serve."""
 
     def __init__(self, settings: GatewaySettings):
         self.settings = settings
-        self.client = WorkerClient(settings.worker, settings.heartbeat_interval, settings.heartbeat_timeout,
-                                   max_buffered=settings.max_buffered)
+        self.workers = WorkerPool(settings.worker, settings.heartbeat_interval, settings.heartbeat_timeout,
+                                  max_buffered=settings.max_buffered, policy=settings.route,
+                                  queue_tokens=settings.route_queue_tokens)
         self._view: ModelView | None = None
         self.cut: asyncio.Event | None = None  # set when the drain timeout runs out (lifespan)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -71,10 +74,10 @@ class Gateway:
     async def start(self) -> None:
         """In the server's event loop: connect to the worker; the drain timer will run in this loop."""
         self.cut, self._loop = asyncio.Event(), asyncio.get_running_loop()
-        await self.client.start()
+        await self.workers.start()
 
     async def close(self) -> None:
-        await self.client.close()
+        await self.workers.close()
 
     def begin_drain(self) -> None:
         """Shutdown began (any thread, a signal handler too): replies still running when the
@@ -88,11 +91,11 @@ class Gateway:
         loop.call_soon_threadsafe(loop.call_later, delay, cut.set)
 
     def view(self) -> ModelView:
-        card = self.client.card
-        if not self.client.ready or card is None:
+        card = self.workers.card
+        if card is None:
             raise WorkerUnavailableError(
-                self.client.version_error or "the model is not ready yet (the worker is loading or unreachable)")
-        if self._view is None or self._view.card.instance != card.instance:
+                self.workers.version_error or "the model is not ready yet (the worker is loading or unreachable)")
+        if self._view is None or self._view.card is not card:
             self._view = ModelView.from_card(card)
         return self._view
 
@@ -103,12 +106,14 @@ class Gateway:
         # CPU: in a thread, so this gateway's other streams, heartbeats and /health go on.
         neutral, prepared = await asyncio.to_thread(_read_request, raw, dialect, view, request.headers)
         events = access_log.observe(request.scope, neutral.stream,
-                                    generate(view, self.client, neutral, prepared, self.settings.ping_interval,
+                                    generate(view, self.workers, neutral, prepared, self.settings.ping_interval,
                                              self.cut))
         first = await _first_started(events)
         # which cartridges (KV prefixes) the worker put before this conversation
         served = {CARTRIDGES_HEADER: ",".join(view.card.capabilities.cartridges)} \
             if view.card.capabilities.cartridges else {}
+        if first.placement is not None:
+            served[WORKER_HEADER] = first.placement.worker
         if neutral.stream:
             response = sse.streaming_response(_stream_body(dialect, neutral, view, first, events))
             response.headers.update(served)
@@ -197,6 +202,7 @@ VERSION = package_version()
 # /docs renders with Swagger UI from a CDN, at a fixed version (not whatever is newest)
 SWAGGER_UI = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5.17.14"
 CARTRIDGES_HEADER = "x-lmserve-cartridges"
+WORKER_HEADER = "x-lmserve-worker"  # the worker (host:pid) that took the request
 # The playground (GET / from a browser): one static page that talks to the API like any client.
 PLAYGROUND = (Path(__file__).parent / "static" / "playground.html").read_text(encoding="utf-8")
 
@@ -281,11 +287,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if not gateway.client.ready:
-            return JSONResponse({"status": "loading", "error": gateway.client.version_error}, status_code=503)
-        waiting, running = gateway.client.worker_load
-        return JSONResponse({"status": "ok", "model": gateway.client.card.model_id,
-                             "worker": {"waiting": waiting, "running": running}})
+        workers = gateway.workers
+        card = workers.card
+        if card is None:
+            return JSONResponse({"status": "loading", "error": workers.version_error,
+                                 "workers": workers.describe()}, status_code=503)
+        waiting, running = workers.worker_load
+        return JSONResponse({"status": "ok", "model": card.model_id,
+                             "worker": {"waiting": waiting, "running": running}, "workers": workers.describe()})
 
     if settings.docs:
         @app.get("/openapi.json")

@@ -9,6 +9,10 @@ from shared import log_format
 from shared.command_line import CommaList, EnvParser, new_parser
 from shared.protocol import DEFAULT_ENDPOINT
 
+# gateway.worker_pool's names, kept here so that building a command line imports no HTTP stack
+ROUTE_POLICIES = ("prefix", "round-robin")
+DEFAULT_QUEUE_TOKENS = 1024
+
 
 def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address")
@@ -30,12 +34,22 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on shutdown, seconds in-flight requests get to finish; a reply still running is then "
                         "cut with an error in its dialect")
+    p.add_argument("--route", choices=ROUTE_POLICIES, default="prefix",
+                   help="how a request picks among several workers: prefix (the worker holding the conversation's "
+                        "own prefix, unless waiting there costs more than recomputing; new conversations by load) "
+                        "or round-robin")
+    p.add_argument("--route-queue-tokens", type=int, default=0,
+                   help="what waiting for a busy worker's batch place costs, in prompt tokens computed meanwhile: "
+                        "a cached prefix must save more to win over a free worker (default 0: measured by the "
+                        f"gateway, {DEFAULT_QUEUE_TOKENS} until it has measured)")
     log_format.add_log_format_flag(p)
 
 
 def build_parser() -> EnvParser:
     p = new_parser("lmserve gateway", "Serve the HTTP APIs; forward requests to a worker.")
     p.add_argument("--worker", default=DEFAULT_ENDPOINT,
-                   help="ZeroMQ endpoint of the worker (tcp://host:port or ipc://path)")
+                   help="ZeroMQ endpoint(s) of the worker(s), comma-separated (tcp://host:port or ipc://path); "
+                        "dns+tcp://NAME:PORT stands for every address NAME resolves to, looked up again every "
+                        "few seconds (a Kubernetes headless Service, a scaled compose service)")
     add_gateway_flags(p)
     return p

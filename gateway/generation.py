@@ -17,6 +17,7 @@ from gateway.neutral import (
     Finish,
     LogprobsDelta,
     NeutralRequest,
+    Placement,
     Ping,
     PromptLogprobs,
     ReasoningDelta,
@@ -28,7 +29,7 @@ from gateway.neutral import (
 )
 from gateway.prompting import ModelView
 from gateway.stop_strings import StopStringMatcher, partial_suffix
-from gateway.worker_client import WorkerClient
+from gateway.worker_pool import WorkerPool, affinity_key
 from shared.errors import ShuttingDownError, WorkerUnavailableError
 from shared.protocol import Accepted, Finished, FinishReason, Generate, Grammar, Tags, Tokens
 
@@ -103,7 +104,7 @@ def prepare(view: ModelView, request: NeutralRequest) -> tuple[tool_calls.ToolPl
                                   request.prefill)
 
 
-async def generate(view: ModelView, client: WorkerClient, request: NeutralRequest,
+async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest,
                    prepared: tuple[tool_calls.ToolPlan, list[int]], ping_interval: float = 10.0,
                    cut: asyncio.Event | None = None) -> AsyncIterator[Event]:
     """Yield Started, then content events and Pings, then one Finish.
@@ -121,7 +122,7 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
         max_tokens = 0  # the prompt scored, nothing generated
     # A forced call's grammar, or the format the client asked for (plan refuses both at once).
     grammar = tools.grammar or request.grammar
-    worker_request = Generate(client.new_request_id(), prompt, request.sampling, max_tokens,
+    worker_request = Generate(workers.new_request_id(), prompt, request.sampling, max_tokens,
                               grammar=Grammar(**grammar) if grammar is not None else None,
                               grammar_after_reasoning=grammar is not None and request.grammar_after_reasoning,
                               cache_hint=request.cache_hint, stop_ids=[] if request.ignore_eos else None,
@@ -139,7 +140,8 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
         tools.parser())
     usage = Usage(prompt_tokens=len(prompt))
     reasoning_tokens = 0
-    stream = client.generate(worker_request)
+    placement = Placement()
+    stream = workers.generate(worker_request, affinity_key(request, prompt), placement)
     pending: asyncio.Task | None = None
     cutting = asyncio.ensure_future(cut.wait()) if cut is not None else None
     try:
@@ -159,7 +161,7 @@ async def generate(view: ModelView, client: WorkerClient, request: NeutralReques
                 raise WorkerUnavailableError("the worker ended the stream without finishing it")
             pending = None
             if isinstance(message, Accepted):
-                yield Started(len(prompt))
+                yield Started(len(prompt), placement)
             elif isinstance(message, Tokens):
                 if message.cached_tokens is not None:
                     usage.cached_tokens = message.cached_tokens

@@ -20,7 +20,8 @@ from shared.memory import fix_mmap_threshold
 def settings_from(args) -> GatewaySettings:
     allow = args.allow_host
     return GatewaySettings(
-        worker=args.worker, ping_interval=args.ping_interval, max_buffered=args.max_buffered,
+        worker=args.worker, route=args.route, route_queue_tokens=args.route_queue_tokens,
+        ping_interval=args.ping_interval, max_buffered=args.max_buffered,
         drain_timeout=args.drain_timeout, docs=not args.no_docs,
         edge=EdgeSettings(bind_host=args.host, api_key=args.api_key, allow_hosts=list(allow),
                           conns=args.conns, max_body=args.max_body))

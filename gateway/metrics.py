@@ -36,6 +36,9 @@ BETWEEN_TOKENS = Histogram("lmserve_inter_token_seconds", "Between a reply's suc
 DURATION = Histogram("lmserve_request_duration_seconds", "From a model request's arrival to the end of its "
                      "reply", ["dialect"], buckets=LATENCY_BUCKETS)
 
+ROUTES = Counter("lmserve_routes", "Model requests by the worker they went to and the rule that chose it "
+                 "(prefix, hash, load, round-robin; gateway/worker_pool.py)", ["worker", "route"])
+
 
 def record_request(fields: dict) -> None:
     """Count one finished model request from its access-log fields."""
@@ -44,6 +47,8 @@ def record_request(fields: dict) -> None:
     DURATION.labels(dialect).observe(fields["total_ms"] / 1000)
     if fields["ttft_ms"] is not None:
         FIRST_TOKEN.labels(dialect).observe(fields["ttft_ms"] / 1000)
+    if fields["route"]:
+        ROUTES.labels(fields["worker"], fields["route"]).inc()
     for kind in ("prompt", "cached", "completion"):
         if fields[f"{kind}_tokens"]:
             TOKENS.labels(dialect, kind).inc(fields[f"{kind}_tokens"])

@@ -123,10 +123,22 @@ class Ping:
 
 
 @dataclass
+class Placement:
+    """Where a request went and why, filled in by ``gateway.worker_pool`` for the access log
+    and the response headers."""
+    worker: str = ""  # the worker's host:pid, or its endpoint before its card arrived
+    route: str = ""  # prefix | hash | load | round-robin (gateway.worker_pool)
+    resent: int = 0  # times it moved on after a worker failed or was full before starting it
+
+
+@dataclass
 class Started:
     """The worker accepted the request; prompt size is known."""
 
     prompt_tokens: int
+    # which worker took it and why; it changes if that worker fails before the reply starts
+    # and another takes the request over
+    placement: Placement | None = None
 
 
 @dataclass

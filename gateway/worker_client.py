@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from shared.errors import (
     BusyError,
@@ -73,6 +74,9 @@ class WorkerClient:
         self.card: ModelCard | None = None
         self.version_error: str | None = None
         self.worker_load = (0, 0)  # waiting, running, from the last heartbeat
+        self.free_slots = 0  # its KV slots no stream uses, from the last heartbeat
+        self.prefixes: frozenset[bytes] = frozenset()  # what its slots hold (shared.prefix_digest)
+        self._since_beat = 0  # this gateway's requests begun less those ended since the last heartbeat
         self._ready = asyncio.Event()
         self._pending: dict[str, asyncio.Queue[Message | LmserveError]] = {}
         self._last_heard = 0.0
@@ -92,6 +96,18 @@ class WorkerClient:
         check."""
         return self._last_heard
 
+    @property
+    def in_flight(self) -> int:
+        """Requests of this gateway the worker has not finished."""
+        return len(self._pending)
+
+    @property
+    def load(self) -> int:
+        """Requests at the worker now, waiting or running: its last heartbeat's count, corrected
+        by this gateway's own requests begun and ended since (a heartbeat is up to a second old)."""
+        waiting, running = self.worker_load
+        return max(waiting + running + self._since_beat, self.in_flight)
+
     def was_cut_off(self, request_id: str) -> bool:
         """Whether a request was dropped because its reader fell ``max_buffered`` replies behind."""
         return request_id in self._cut
@@ -101,10 +117,15 @@ class WorkerClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        # A worker that dies (its connection drops) is given up at once, not after the heartbeat
+        # timeout: its requests fail now, and a pool of workers resends the unstarted ones. When
+        # the connection is made again, HELLO goes out at once, not at the next heartbeat.
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sock.connect(self.endpoint)
         self._socket = sock
         self._tasks = [asyncio.create_task(self._read_loop(), name="worker-reader"),
-                       asyncio.create_task(self._beat_loop(), name="worker-heartbeat")]
+                       asyncio.create_task(self._beat_loop(), name="worker-heartbeat"),
+                       asyncio.create_task(self._watch_connection(monitor), name="worker-connection")]
         await self._send(Hello(PROTOCOL_VERSION, self.name))
 
     async def wait_ready(self, timeout: float | None = None) -> ModelCard:
@@ -137,6 +158,7 @@ class WorkerClient:
         rid = request.request_id
         queue: asyncio.Queue[Message | LmserveError] = asyncio.Queue()
         self._pending[rid] = queue
+        self._since_beat += 1
         finished = False
         try:
             await self._send(request)
@@ -187,6 +209,7 @@ class WorkerClient:
             # No await in here: this runs while the caller is being cancelled (client gone),
             # and the ABORT must still go out, so it goes out on a task of its own.
             self._pending.pop(rid, None)
+            self._since_beat -= 1
             self._accepted.discard(rid)
             if rid in self._cut:
                 self._cut.discard(rid)  # its ABORT went out when it was cut
@@ -212,28 +235,35 @@ class WorkerClient:
             except ProtocolError as exc:
                 log.warning("dropping a malformed message from the worker: %s", exc)
                 continue
-            self._last_heard = time.monotonic()
-            if isinstance(message, ModelCard):
-                self._on_card(message)
-            elif isinstance(message, Heartbeat):
-                self.worker_load = (message.waiting, message.running)
-                if self.card is not None and message.instance and message.instance != self.card.instance:
-                    # A new worker: what the old one accepted is lost; requests it never
-                    # answered reached the new one, which asks for HELLO and gets them resent.
-                    self._ready.clear()
-                    self._fail_accepted("the worker restarted; requests in flight were lost")
-            elif isinstance(message, Rejected) and message.kind == VERSION_MISMATCH:
-                self.version_error = message.message
-                log.error("%s", message.message)
-            else:
-                rid = getattr(message, "request_id", "")
-                queue = self._pending.get(rid)
-                if queue is None or rid in self._cut:
-                    continue
-                if queue.qsize() >= self.max_buffered:
-                    self._cut_off(rid, queue)
-                    continue
-                queue.put_nowait(message)
+            self.receive(message)
+
+    def receive(self, message: Message) -> None:
+        """Take in one message from the worker: a card, a heartbeat, or a reply to a request."""
+        self._last_heard = time.monotonic()
+        if isinstance(message, ModelCard):
+            self._on_card(message)
+        elif isinstance(message, Heartbeat):
+            self.worker_load = (message.waiting, message.running)
+            self.free_slots = message.free_slots
+            self._since_beat = 0
+            self.prefixes = frozenset(message.prefixes)
+            if self.card is not None and message.instance and message.instance != self.card.instance:
+                # A new worker: what the old one accepted is lost; requests it never
+                # answered reached the new one, which asks for HELLO and gets them resent.
+                self._ready.clear()
+                self._fail_accepted("the worker restarted; requests in flight were lost")
+        elif isinstance(message, Rejected) and message.kind == VERSION_MISMATCH:
+            self.version_error = message.message
+            log.error("%s", message.message)
+        else:
+            rid = getattr(message, "request_id", "")
+            queue = self._pending.get(rid)
+            if queue is None or rid in self._cut:
+                return
+            if queue.qsize() >= self.max_buffered:
+                self._cut_off(rid, queue)
+                return
+            queue.put_nowait(message)
 
     async def _first_reply(self, queue: asyncio.Queue) -> Message | LmserveError:
         """The worker answers every GENERATE at once (ACCEPTED, BUSY or REJECTED), or after its
@@ -264,13 +294,24 @@ class WorkerClient:
             return
         if self.card is not None and card.instance != self.card.instance:
             self._fail_accepted("the worker restarted; requests in flight were lost")
+            self._forget_state()
         self.card = card
         self.version_error = None
         self._ready.set()
 
-    def _lost(self, reason: str) -> None:
+    def _forget_state(self) -> None:
+        """What the last heartbeat said no longer holds: a new worker instance runs nothing and
+        holds nothing until its own heartbeat says otherwise."""
+        self.worker_load = (0, 0)
+        self.free_slots = 0
+        self.prefixes = frozenset()
+        self._since_beat = 0
+
+    def give_up(self, reason: str) -> None:
+        """The worker is gone: fail its requests, forget what it said, say HELLO until one answers."""
         if self._ready.is_set():
             log.warning("%s", reason)
+        self._forget_state()
         self._ready.clear()
         self._fail_all(WorkerUnavailableError(reason))
 
@@ -284,12 +325,25 @@ class WorkerClient:
         for queue in self._pending.values():
             queue.put_nowait(error)
 
+    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self.give_up(f"the connection to the worker at {self.endpoint} dropped")
+                elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.ready:
+                    await self._send(Hello(PROTOCOL_VERSION, self.name))
+        finally:
+            if self._socket is not None:
+                self._socket.disable_monitor()
+            monitor.close(0)
+
     async def _beat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             silent_for = time.monotonic() - self._last_heard
             if self.ready and silent_for > self.heartbeat_timeout:
-                self._lost(f"the worker went silent ({silent_for:.1f} s without a heartbeat)")
+                self.give_up(f"the worker went silent ({silent_for:.1f} s without a heartbeat)")
             if self.ready:
                 await self._send(Heartbeat(time.time()))
             else:

@@ -197,7 +197,8 @@ class DirectoryStore:
         try:
             data_path.parent.mkdir(exist_ok=True)
             for path, blob in ((data_path, data), (meta_path, meta)):
-                partial = path.with_suffix(path.suffix + ".partial")
+                # a name of this process's own: workers sharing the directory may write one chunk at once
+                partial = path.with_suffix(f"{path.suffix}.{os.getpid()}.partial")
                 partial.write_bytes(blob)
                 os.replace(partial, path)
         except OSError as exc:

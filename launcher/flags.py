@@ -12,12 +12,15 @@ from worker.flags import add_model_flags, add_worker_flags
 
 
 def build_parser() -> EnvParser:
-    p = new_parser("lmserve serve", "Run a worker and gateway(s) on this machine.")
+    p = new_parser("lmserve serve", "Run worker(s) and gateway(s) on this machine.")
     add_model_flags(p)
     add_gateway_flags(p)
     p.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the port")
+    p.add_argument("--workers", type=int, default=1,
+                   help="worker processes, each a replica of the model; the gateways route between them")
     p.add_argument("--worker", default="",
-                   help="ZeroMQ endpoint between the gateways and the worker (default: a free loopback port)")
+                   help="ZeroMQ endpoint(s) between the gateways and the workers, comma-separated, one per "
+                        "worker (default: free loopback ports)")
     add_worker_flags(p)
     return p
 

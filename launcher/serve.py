@@ -1,11 +1,12 @@
 """``lmserve serve``: the one-command local stack.
 
-Starts a worker and ``--gateways N`` gateways (sharing one port through SO_REUSEPORT) as child
-processes, shows the model loading (a progress bar on a terminal), prints the URL once every
-gateway answers, and takes them all down together:
+Starts ``--workers M`` workers (each a replica of the model on its own loopback port) and
+``--gateways N`` gateways (sharing one port through SO_REUSEPORT, each routing between the
+workers) as child processes, shows the model loading (a progress bar on a terminal), prints the
+URL once every worker has loaded and every gateway answers, and takes them all down together:
 
-- Ctrl-C or SIGTERM stops the gateways first, so in-flight streams finish while the worker
-  still runs (each gateway cuts what is left after ``--drain-timeout``), then the worker.
+- Ctrl-C or SIGTERM stops the gateways first, so in-flight streams finish while the workers
+  still run (each gateway cuts what is left after ``--drain-timeout``), then the workers.
   A second Ctrl-C kills everything at once.
 - If any child dies, the command names it, stops the others and exits non-zero.
 - The children run in their own process group (a terminal's Ctrl-C reaches only this process,
@@ -43,10 +44,16 @@ GATEWAYS_READY_WAIT = 10.0  # after the first healthy answer, how long to wait t
 WORKER_STOP_WAIT = 15.0  # a forward pass in progress finishes before the worker exits
 
 
-def _free_tcp_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+def _free_tcp_endpoints(count: int) -> list[str]:
+    """``count`` distinct loopback endpoints nothing listens on (held open together while chosen)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [f"tcp://127.0.0.1:{sock.getsockname()[1]}" for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def describe_exit(code: int) -> str:
@@ -84,8 +91,9 @@ class Stack:
     phase: str = "loading"  # loading -> starting -> serving -> draining -> stopping-worker -> done
     deadline: float = 0.0
     exit_code: int = 0
-    status_read: int = -1  # our end of the worker's status pipe, -1 once closed
-    status_buffer: bytes = b""
+    # our ends of the workers' status pipes, each with what it has sent of its current line
+    status: dict[int, bytearray] = field(default_factory=dict)
+    loaded: int = 0  # workers that have said they are ready
     model_id: str = ""
     seen_gateways: set[str] = field(default_factory=set)  # ids of gateways that answered 200
     bar: ProgressBar | None = None
@@ -99,14 +107,19 @@ class Stack:
         python = [sys.executable, "-m", "launcher.supervised", str(os.getpid())]
         # Own process group: a terminal's Ctrl-C reaches only us, and we stop the children in order.
         common = {"stdin": subprocess.DEVNULL, "process_group": 0}
-        status_read, status_write = os.pipe()
-        self.children.append(Child("the worker", subprocess.Popen(
-            python + ["worker", self.args.model, *to_argv(worker_parser(), self.args),
-                      "--status-fd", str(status_write)],
-            pass_fds=(status_write,), **common), gateway=False))
-        os.close(status_write)
-        self.status_read = status_read
-        os.set_blocking(status_read, False)
+        worker_argv = to_argv(worker_parser(), self.args, skip=lambda a: a.dest == "worker")
+        endpoints = self.args.worker.split(",")
+        for i, endpoint in enumerate(endpoints):
+            status_read, status_write = os.pipe()
+            name = "the worker" if len(endpoints) == 1 else f"worker {i + 1}"
+            self.children.append(Child(name, subprocess.Popen(
+                python + ["worker", self.args.model, *worker_argv, "--worker", endpoint,
+                          "--status-fd", str(status_write)],
+                pass_fds=(status_write,), **common), gateway=False))
+            os.close(status_write)
+            os.set_blocking(status_read, False)
+            self.status[status_read] = bytearray()
+            self.selector.register(status_read, selectors.EVENT_READ)
         # Gateways start at once: they answer 503 while the worker loads and find it by themselves.
         # The API key travels in the environment: a command line is visible to every local user.
         gateway_env = {**os.environ, env_name("--api-key"): self.args.api_key or ""}
@@ -124,7 +137,6 @@ class Stack:
     # --- the loop -----------------------------------------------------------------------------
 
     def run(self) -> int:
-        self.selector.register(self.status_read, selectors.EVENT_READ)
         try:
             while self.phase != "done":
                 if self.phase in ("loading", "starting", "serving") and self.stop_requests:
@@ -133,10 +145,11 @@ class Stack:
                     self._kill_all()
                     self.exit_code = self.exit_code or 130
                     break
-                if self.status_read < 0:
+                if not self.status:
                     time.sleep(POLL_INTERVAL)
-                elif self.selector.select(POLL_INTERVAL):
-                    self._read_status()
+                else:
+                    for key, _ in self.selector.select(POLL_INTERVAL):
+                        self._read_status(key.fd)
                 self._check_children()
                 self._advance()
         finally:
@@ -144,34 +157,42 @@ class Stack:
             self._kill_all()
         return self.exit_code
 
-    def _read_status(self) -> None:
+    def _read_status(self, fd: int) -> None:
+        """Read a worker's loading progress; the bar follows the first worker (the others load
+        the same file at the same pace), and loading ends when every worker is ready."""
         try:
-            chunk = os.read(self.status_read, 65536)
+            chunk = os.read(fd, 65536)
         except BlockingIOError:
             return
         if not chunk:  # the worker closed the pipe (it exited); its exit code tells the rest
-            self._close_status()
+            self._close_status(fd)
             return
-        self.status_buffer += chunk
-        *lines, self.status_buffer = self.status_buffer.split(b"\n")
+        buffer = self.status[fd]
+        buffer += chunk
+        *lines, rest = bytes(buffer).split(b"\n")
+        self.status[fd] = bytearray(rest)
+        first = fd == min(self.status)
         for line in lines:
             entry = parse_status(line.decode("utf-8", "replace"))
             if entry is None or self.phase != "loading":
                 continue
-            if entry["event"] == "loading" and self.bar is not None:
+            if entry["event"] == "loading" and self.bar is not None and first:
                 self.bar.update(int(entry["done"]), int(entry["total"]))
             elif entry["event"] == "ready":
+                self.loaded += 1
+                self.model_id = str(entry.get("model", ""))
+                if self.loaded < self.args.workers:
+                    continue
                 if self.bar is not None:
                     self.bar.update(1, 1)
                     self.bar.finish()
-                self.model_id = str(entry.get("model", ""))
                 self.phase, self.deadline = "starting", 0.0
 
-    def _close_status(self) -> None:
-        if self.status_read >= 0:
-            self.selector.unregister(self.status_read)
-            os.close(self.status_read)
-            self.status_read = -1
+    def _close_status(self, fd: int | None = None) -> None:
+        for each in [fd] if fd is not None else list(self.status):
+            self.selector.unregister(each)
+            os.close(each)
+            del self.status[each]
 
     def _check_children(self) -> None:
         for child in self.children:
@@ -199,8 +220,9 @@ class Stack:
                 return
             for child in gateways:  # past --drain-timeout and then some: stop waiting
                 child.signal(signal.SIGKILL)
-            worker = self.children[0]
-            worker.signal(signal.SIGTERM)
+            for worker in self.children:
+                if not worker.gateway:
+                    worker.signal(signal.SIGTERM)
             self.phase, self.deadline = "stopping-worker", now + WORKER_STOP_WAIT
         elif self.phase == "stopping-worker":
             if any(c.alive for c in self.children) and now < self.deadline:
@@ -220,10 +242,11 @@ class Stack:
                 self.deadline = now + GATEWAYS_READY_WAIT
         if len(self.seen_gateways) >= self.args.gateways or (self.deadline and now >= self.deadline):
             self.phase = "serving"
-            plural = "s" if self.args.gateways > 1 else ""
-            print(f"lmserve serve: {self.model_id} ready on {url_of(self.args)} "
-                  f"({self.args.gateways} gateway{plural}, worker {self.args.worker}); Ctrl-C stops",
-                  flush=True)
+            gateways = f"{self.args.gateways} gateway" + ("s" if self.args.gateways > 1 else "")
+            workers = f"worker {self.args.worker}" if self.args.workers == 1 else \
+                f"{self.args.workers} workers {self.args.worker}"
+            print(f"lmserve serve: {self.model_id} ready on {url_of(self.args)} ({gateways}, {workers}); "
+                  "Ctrl-C stops", flush=True)
 
     # --- stopping -----------------------------------------------------------------------------
 
@@ -284,13 +307,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_worker_flags(parser, args)
-    if args.gateways < 1:
-        parser.error("--gateways must be at least 1")
+    if args.gateways < 1 or args.workers < 1:
+        parser.error("--gateways and --workers must be at least 1")
     if args.conns < 1 or args.max_body < 1 or args.header_timeout <= 0:
         parser.error("--conns, --max-body and --header-timeout must be positive")
     from shared.default_model import resolve_model
     args.model = resolve_model(model_argument(parser, args))
-    args.worker = args.worker or _free_tcp_endpoint()
+    if args.worker and len(args.worker.split(",")) != args.workers:
+        parser.error(f"--worker names {len(args.worker.split(','))} endpoint(s) for {args.workers} worker(s)")
+    if any(endpoint.startswith("dns+") for endpoint in args.worker.split(",")):
+        parser.error("--worker here names the endpoints the workers bind: tcp://host:port or ipc://path")
+    args.worker = args.worker or ",".join(_free_tcp_endpoints(args.workers))
+    if args.threads == 0 and args.workers > 1:  # the workers share this machine's cores
+        args.threads = max(1, len(os.sched_getaffinity(0)) // args.workers)
     if not args.kv_store and not args.kv_cache_dir:
         from shared.default_model import cache_dir
         args.kv_cache_dir = str(cache_dir() / "kv")  # the embedded kvstore: a directory

@@ -306,9 +306,13 @@ class Heartbeat(Message):
     TYPE = MsgType.HEARTBEAT
     sent_at: float = 0.0
     instance: str = ""  # the worker's ModelCard.instance (empty from gateways)
-    # the worker reports its load so gateways (and /health) can see it
+    # the worker reports its load so gateways (and /health) can see it, and routing can use it
     waiting: int = 0
     running: int = 0
+    free_slots: int = 0  # resident KV slots no stream is using
+    # what its resident KV slots hold: shared.prefix_digest digests of their tokens (gateways
+    # route a prompt to the worker holding most of it); empty from gateways
+    prefixes: list[bytes] = field(default_factory=list)
 
 
 MESSAGE_CLASSES: dict[bytes, type[Message]] = {

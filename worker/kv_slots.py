@@ -9,6 +9,11 @@ from worker.engine.kv_cache import KVCache
 from worker.engine.model import DecoderModel
 
 
+# A slot holding at least this many tokens past the prefix a new prompt shares with it holds
+# another conversation: the shared prefix is copied out rather than the slot cut back.
+FORK_MIN_TOKENS = 64
+
+
 @dataclass
 class Slot:
     index: int
@@ -46,6 +51,11 @@ class SlotPool:
         left to compute, because the next token's logits come from it. ``floor``: the leading
         tokens every cache holds alike (a cartridge's): sharing no more than those is sharing
         nothing, so the least recently used slot is taken, keeping at most those.
+
+        When the best slot holds another conversation past the shared prefix (a system prompt
+        many conversations start with), truncating it would throw that conversation away: the
+        shared prefix is copied into the least recently used slot instead, and the other
+        conversation stays whole.
         """
         free = [s for s in self.slots if not s.busy]
         if not free:
@@ -56,9 +66,14 @@ class SlotPool:
 
         best = max(free, key=score)
         reused = min(best.cache.common_prefix(prompt), len(prompt) - 1)
+        oldest = min(free, key=lambda s: s.last_used)
         if reused <= floor:
-            best = min(free, key=lambda s: s.last_used)
+            best = oldest
             reused = min(best.cache.common_prefix(prompt), floor, len(prompt) - 1)
+        elif (oldest is not best and best.cache.length - reused >= FORK_MIN_TOKENS
+              and (session is None or best.session != session)):  # the same session's older turn goes
+            oldest.cache.copy_prefix(best.cache, reused)
+            best = oldest
         best.cache.truncate(reused)
         best.busy = True
         best.session = session

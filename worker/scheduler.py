@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from shared.errors import InvalidRequestError
+from shared.prefix_digest import prefix_digests
 from shared.protocol import (
     Accepted,
     Busy,
@@ -211,6 +212,16 @@ class Scheduler:
     def load(self) -> tuple[int, int]:
         with self.lock:
             return len(self.waiting), len(self.running)
+
+    def resident_digests(self) -> list[bytes]:
+        """What the resident slots hold, as the prefix digests gateways route by (conversation
+        tokens only: a cartridge's pseudo-ids, alike in every slot, are left out)."""
+        skip = len(self.settings.cartridge.pseudo_ids) if self.settings.cartridge is not None else 0
+        held: dict[bytes, None] = {}
+        for slot in self.pool.slots:
+            tokens = slot.cache.tokens[skip:]  # a copy, taken whole while the engine thread works on
+            held.update(dict.fromkeys(prefix_digests(tokens)))
+        return list(held)
 
     def stop(self) -> None:
         self.stopping = True

@@ -220,7 +220,8 @@ class WorkerServer:
     def _heartbeat(self) -> None:
         now = time.monotonic()
         waiting, running = self.scheduler.load()
-        beat = Heartbeat(time.time(), self.instance, waiting, running).frames()
+        beat = Heartbeat(time.time(), self.instance, waiting, running, self.scheduler.pool.free_count(),
+                         self.scheduler.resident_digests()).frames()
         for identity, last_seen in list(self.gateways.items()):
             if now - last_seen > self.settings.heartbeat_timeout:
                 del self.gateways[identity]

@@ -78,7 +78,9 @@ def test_compose_commands_and_environment_are_real_flags(monkeypatch):
     assert worker.kv_store == "redis://redis:6379/0"  # the redis service
 
     _, gateway = parse_command(services["gateway"]["command"], _compose_env(services["gateway"]), monkeypatch)
-    assert gateway.worker == "tcp://worker:5557"  # the worker service's name and bound port
+    # every replica of the worker service (`--scale worker=M`), by its name, on its bound port
+    assert gateway.worker == "dns+tcp://worker:5557"
+    assert "container_name" not in services["worker"] and "ports" not in services["worker"]
     assert (gateway.host, gateway.port) == ("0.0.0.0", 8080)
     assert gateway.allow_host == ["localhost", "127.0.0.1"]
     assert gateway.api_key == ""  # unset on the host: no key required
@@ -163,8 +165,8 @@ def test_every_manifest_is_listed_in_the_kustomization():
     files = {p.name for p in KUBERNETES.glob("*.yaml")} - {"kustomization.yaml"}
     assert set(kustomization["resources"]) == files
     kinds = sorted(doc["kind"] for doc in kubernetes_documents() if doc["kind"] != "Kustomization")
-    assert kinds == ["Deployment", "Deployment", "HorizontalPodAutoscaler", "Ingress", "Service",
-                     "Service", "Service", "StatefulSet"]
+    assert kinds == ["Deployment", "Deployment", "HorizontalPodAutoscaler", "Ingress", "PodDisruptionBudget",
+                     "Service", "Service", "Service", "StatefulSet"]
 
 
 def test_gateway_deployment_probes_health_and_parses(monkeypatch):
@@ -187,7 +189,7 @@ def test_gateway_deployment_probes_health_and_parses(monkeypatch):
     assert secret["valueFrom"]["secretKeyRef"]["optional"] is True
 
 
-def test_gateway_reaches_the_worker_through_its_headless_service(monkeypatch):
+def test_gateway_reaches_every_worker_through_their_headless_service(monkeypatch):
     worker_set = _by_kind("StatefulSet")["lmserve-worker"]
     services = _by_kind("Service")
     headless = services[worker_set["spec"]["serviceName"]]
@@ -204,8 +206,13 @@ def test_gateway_reaches_the_worker_through_its_headless_service(monkeypatch):
 
     gateway = _container(_by_kind("Deployment")["lmserve-gateway"], "gateway")
     _, gateway_args = parse_command(gateway["command"], _env(gateway), monkeypatch)
-    pod_dns = f"{worker_set['metadata']['name']}-0.{headless['metadata']['name']}"
-    assert gateway_args.worker == f"tcp://{pod_dns}:{bound_port}"
+    # the Service's name resolves to every ready worker pod; the gateways look it up again and again
+    assert gateway_args.worker == f"dns+tcp://{headless['metadata']['name']}:{bound_port}"
+    assert not headless["spec"].get("publishNotReadyAddresses", False)  # a loading worker is not listed
+    assert worker_set["spec"]["replicas"] >= 2 and worker_set["spec"]["podManagementPolicy"] == "Parallel"
+    budget = _by_kind("PodDisruptionBudget")["lmserve-worker"]
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert _labels_match(budget["spec"]["selector"]["matchLabels"], worker_set)
 
 
 def test_worker_keeps_the_model_on_a_volume_claim():
@@ -295,7 +302,8 @@ def test_prometheus_scrapes_the_ports_the_roles_serve_metrics_on(monkeypatch):
     services = compose()["services"]
     worker_role, worker_args = parse_command(services["worker"]["command"], _compose_env(services["worker"]),
                                              monkeypatch)
-    assert jobs["lmserve-worker"]["static_configs"][0]["targets"] == [f"worker:{worker_args.metrics_port}"]
+    assert jobs["lmserve-worker"]["dns_sd_configs"][0] == {"names": ["worker"], "type": "A",
+                                                           "port": worker_args.metrics_port}
     _, gateway_args = parse_command(services["gateway"]["command"], _compose_env(services["gateway"]), monkeypatch)
     assert jobs["lmserve-gateway"]["dns_sd_configs"][0] == {"names": ["gateway"], "type": "A",
                                                             "port": gateway_args.port}

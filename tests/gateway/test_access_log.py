@@ -49,6 +49,8 @@ def test_json_lines_carry_dialect_tokens_and_timings(json_gateway):
     assert chat_entry["completion_tokens"] == answer.usage.completion_tokens
     assert chat_entry["cached_tokens"] == answer.usage.prompt_tokens_details.cached_tokens
     assert 0 < chat_entry["ttft_ms"] <= chat_entry["total_ms"]
+    # one worker: its name from its card, and the route the only candidate won by
+    assert chat_entry["worker"] and chat_entry["route"] in ("hash", "load")
 
     responses_entry = by_path["/v1/responses"]
     assert responses_entry["dialect"] == "responses" and responses_entry["stream"] is True
@@ -96,4 +98,4 @@ def test_text_line_shows_missing_values_as_dashes():
     record = AccessRecord("GET", "/nowhere", started=0.0, status=404)
     line = text_line(record.fields("host:1", ended=0.0125))
     assert line == ("GET /nowhere 404 dialect=- stream=- prompt=- cached=- completion=- finish=- "
-                    "ttft_ms=- total_ms=12.5")
+                    "ttft_ms=- total_ms=12.5 worker=- route=-")

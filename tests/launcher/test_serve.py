@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
@@ -182,6 +183,38 @@ def test_two_gateways_a_progress_bar_and_a_drained_shutdown(serve_factory, defau
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]"
     assert '"finish_reason":"length"' in rest[-2] or '"finish_reason":"length"' in rest[-3]
+    assert served.proc.wait(60) == 0
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, f"orphaned: {alive}"
+
+
+def test_two_workers_behind_two_gateways(serve_factory, default_model):
+    served = serve_factory("--workers", "2", "--gateways", "2")
+    served.wait_ready()
+    assert f"ready on {served.url} (2 gateways, 2 workers tcp://127.0.0.1:" in "".join(served.stdout)
+    workers = served.role_pids("worker")
+    assert len(workers) == 2 and len(served.role_pids("gateway")) == 2
+    for _ in range(100):  # every gateway knows both workers
+        health = httpx.get(served.url + "/health", timeout=10).json()
+        assert sum(w["ready"] for w in health["workers"]) == 2
+        if len(served.role_pids("gateway")) == 2:
+            break
+    # each worker was given its share of the two cores
+    assert all("--threads" in p.cmdline() and p.cmdline()[p.cmdline().index("--threads") + 1] == str(
+        max(1, len(os.sched_getaffinity(0)) // 2)) for p in served.children() if p.pid in workers)
+
+    def ask(i: int) -> int:
+        response = httpx.post(served.url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "system", "content": f"You are assistant number {i}."},
+                         {"role": "user", "content": "Say hello."}], "max_tokens": 16})
+        assert response.status_code == 200
+        return int(response.headers["x-lmserve-worker"].rsplit(":", 1)[1])
+
+    with ThreadPoolExecutor(2) as pool:  # two at once: the second goes to the idle worker
+        served_by = set(pool.map(ask, range(2)))
+    assert served_by == workers
+    children = served.children()
+    served.proc.send_signal(signal.SIGINT)
     assert served.proc.wait(60) == 0
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, f"orphaned: {alive}"

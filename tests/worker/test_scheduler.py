@@ -6,6 +6,7 @@ other streams of the same batch must finish exactly as they would have without i
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from tiny_models import write_tiny_gguf
 
@@ -255,3 +256,42 @@ def test_max_tokens_zero_is_refused_unless_the_prompt_is_scored(engine):
     scheduler = Scheduler(engine, SchedulerSettings(ctx=128), outbox)
     scheduler.submit(b"gw", Generate("r", [5, 6], SamplingParams(), 0))
     assert "max_tokens must be at least 1" in outbox.messages[-1].message
+
+
+def test_a_new_conversation_copies_a_shared_prefix_and_leaves_the_other_whole(engine):
+    """Two conversations that open alike (one system prompt): the second gets the shared KV
+    copied into a slot of its own, and the first one's slot still holds all of it."""
+    from worker.kv_slots import FORK_MIN_TOKENS, SlotPool
+
+    pool = SlotPool(engine.model, 2, 512)
+    system = [(7 * i) % 500 + 10 for i in range(100)]
+    first = system + list(range(600, 600 + FORK_MIN_TOKENS + 20))
+    second = system + list(range(900, 950))
+    one = pool.acquire(first)
+    engine.model.forward([(one.slot.cache, first)])
+    pool.release(one.slot)
+
+    two = pool.acquire(second)
+    assert two.slot is not one.slot and two.reused_tokens == len(system)
+    assert two.slot.cache.tokens == system
+    keys, values = two.slot.cache.export(0, len(system))
+    held_keys, held_values = one.slot.cache.export(0, len(system))
+    assert np.array_equal(keys, held_keys) and np.array_equal(values, held_values)
+    assert one.slot.cache.tokens == first  # the first conversation is whole
+    engine.model.forward([(two.slot.cache, second[len(system):])])
+    pool.release(two.slot)
+    # the first conversation's next turn finds all of it again
+    assert pool.acquire(first + [5]).reused_tokens == len(first)
+
+
+def test_the_same_sessions_older_turn_is_cut_back_in_place(engine):
+    from worker.kv_slots import FORK_MIN_TOKENS, SlotPool
+
+    pool = SlotPool(engine.model, 2, 512)
+    turn = list(range(100, 200))
+    reply = list(range(300, 300 + FORK_MIN_TOKENS))  # a reply the next turn renders otherwise
+    one = pool.acquire(turn, session="s")
+    engine.model.forward([(one.slot.cache, turn + reply)])
+    pool.release(one.slot)
+    again = pool.acquire(turn + [1, 2, 3], session="s")
+    assert again.slot is one.slot and again.reused_tokens == len(turn)

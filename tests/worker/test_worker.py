@@ -439,7 +439,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(batch_worker):
     assert between.count("short") >= 4, order
 
 
-def test_a_request_sent_across_a_worker_restart_is_resent_not_lost(start_worker, default_model):
+def test_a_restarted_worker_is_noticed_and_greeted_at_once(start_worker, default_model):
+    """The connection dropping tells the client at once (no wait for the heartbeat timeout), and
+    it says HELLO as soon as the connection is back (no wait for its next heartbeat)."""
     worker = start_worker(default_model, "--ctx", "256")
 
     async def go():
@@ -448,12 +450,35 @@ def test_a_request_sent_across_a_worker_restart_is_resent_not_lost(start_worker,
         await client.wait_ready(60)
         first_instance = client.card.instance
         worker.kill()
+        for _ in range(100):
+            if not client.ready:
+                break
+            await asyncio.sleep(0.05)
+        gone = not client.ready
         worker.start()
-        await asyncio.get_running_loop().run_in_executor(None, worker.wait_ready)  # up; our heartbeat has not told us
-        assert client.ready  # still holding the old card
+        await asyncio.get_running_loop().run_in_executor(None, worker.wait_ready)
+        await client.wait_ready(20)  # far less than the 60 s heartbeat
         ids, finished = await _collect(client, _greedy(client, [1, 2, 3], 3))
         await client.close()
-        return first_instance, client.card.instance, finished
-    first, second, finished = run(go())
-    assert first != second
+        return gone, first_instance, client.card.instance, finished
+    gone, first, second, finished = run(go())
+    assert gone and first != second
     assert finished.reason == "length"
+
+
+def test_a_request_from_an_ungreeted_gateway_is_sent_back_for_hello(sequential_worker):
+    """A worker that restarted under a gateway that did not notice: its GENERATE is answered
+    REJECTED hello_first, so the gateway greets and resends it (WorkerClient.generate)."""
+    from shared.protocol import HELLO_FIRST, Rejected, decode
+
+    context = zmq.Context.instance()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(sequential_worker.endpoint)
+    try:
+        dealer.send_multipart(Generate("never-greeted-1", [1, 2, 3], max_tokens=2).frames())
+        assert dealer.poll(10000)
+        reply = decode(dealer.recv_multipart())
+        assert isinstance(reply, Rejected) and reply.kind == HELLO_FIRST and reply.request_id == "never-greeted-1"
+    finally:
+        dealer.close(0)

@@ -168,6 +168,11 @@ class KVCache:
             self.values[layer][:, start:start + count] = v_part
         self.commit(token_ids)
 
+    def copy_prefix(self, other: "KVCache", count: int) -> None:
+        """Hold what ``other`` holds at positions [0, count), and nothing after."""
+        keys, values = other.export(0, count)
+        self.restore(0, keys, values, other.tokens[:count])
+
     @property
     def bytes_per_token(self) -> int:
         return sum(k * (d + dv) for k, d, dv in self.geometry) * self.dtype.itemsize
