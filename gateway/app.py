@@ -110,8 +110,7 @@ class Gateway:
                                              self.cut))
         first = await _first_started(events)
         # which cartridges (KV prefixes) the worker put before this conversation
-        served = {CARTRIDGES_HEADER: ",".join(view.card.capabilities.cartridges)} \
-            if view.card.capabilities.cartridges else {}
+        served = {CARTRIDGES_HEADER: ",".join(first.cartridges)} if first.cartridges else {}
         if first.placement is not None:
             served[WORKER_HEADER] = first.placement.worker
         if neutral.stream:
@@ -187,7 +186,10 @@ def models_body(view: ModelView, created: int) -> dict[str, Any]:
              "max_input_tokens": view.context_budget, "context_length": view.context_budget,
              # what the model can be asked for beyond text (the playground reads these)
              "reasoning": view.has_reasoning_channel, "tool_calls": view.tool_call_tags is not None,
-             "cartridges": view.card.capabilities.cartridges}
+             # the KV prefixes a request may name (its "cartridges" field), and the one served
+             # to those that name none
+             "cartridges": view.card.capabilities.cartridges,
+             "default_cartridge": view.card.capabilities.default_cartridge}
     return {"object": "list", "data": [entry], "has_more": False, "first_id": model_id, "last_id": model_id}
 
 

@@ -126,6 +126,7 @@ async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest
                               grammar=Grammar(**grammar) if grammar is not None else None,
                               grammar_after_reasoning=grammar is not None and request.grammar_after_reasoning,
                               cache_hint=request.cache_hint, stop_ids=[] if request.ignore_eos else None,
+                              cartridge_ids=list(request.cartridges),
                               prompt_logprobs=-1 if request.prompt_logprobs is None else request.prompt_logprobs)
     tokenizer = view.tokenizer
     decoder = tokenizer.incremental_decoder(skip_special=True)
@@ -161,7 +162,8 @@ async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest
                 raise WorkerUnavailableError("the worker ended the stream without finishing it")
             pending = None
             if isinstance(message, Accepted):
-                yield Started(len(prompt), placement)
+                usage.cartridges = list(message.cartridges)
+                yield Started(len(prompt), placement, list(message.cartridges))
             elif isinstance(message, Tokens):
                 if message.cached_tokens is not None:
                     usage.cached_tokens = message.cached_tokens

@@ -34,6 +34,9 @@ class NeutralRequest:
     suffix: str | None = None
     ignore_eos: bool = False  # generate past end-of-turn tokens, up to max_tokens (benchmark clients)
     cache_hint: str | None = None  # session id for cache affinity
+    # this server's extension: the KV prefixes (cartridges, by name) to serve it behind; empty:
+    # the worker's default (--cartridge), if any
+    cartridges: list[str] = field(default_factory=list)
     # The reply's constraint, as the worker takes it ({"kind": json_schema | json_object | regex |
     # lark, "source": text}); forced tool calls bring their own (gateway/tool_calls.py).
     grammar: dict[str, str] | None = None
@@ -59,6 +62,13 @@ class Usage:
     cached_tokens: int = 0  # of which reused from the KV cache
     completion_tokens: int = 0
     reasoning_tokens: int = 0
+    cartridges: list[str] = field(default_factory=list)  # the KV prefixes it was served behind
+
+
+def usage_extras(usage: Usage) -> dict[str, Any]:
+    """What every dialect's usage block carries beyond its own fields: the cartridges that
+    served the reply (this server's extension), where there were any."""
+    return {"cartridges": list(usage.cartridges)} if usage.cartridges else {}
 
 
 @dataclass
@@ -139,6 +149,7 @@ class Started:
     # which worker took it and why; it changes if that worker fails before the reply starts
     # and another takes the request over
     placement: Placement | None = None
+    cartridges: list[str] = field(default_factory=list)  # the KV prefixes it is served behind
 
 
 @dataclass

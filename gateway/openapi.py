@@ -33,6 +33,9 @@ FIELD_TYPES: dict[str, dict[str, Any]] = {
     "tools": {"type": "array", "items": {"type": "object"}},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
     "stop_sequences": {"type": "array", "items": {"type": "string"}},
+    "cartridges": {"type": "array", "items": {"type": "string"},
+                   "description": "this server's extension: the KV prefixes (cartridges, by name) to serve the "
+                                  "request behind instead of the default one"},
     "grammar": {"type": "object", "description": "this server's extension: {type: json_schema | regex | lark "
                 "| llguidance, definition}, the reply held to it"},
 }

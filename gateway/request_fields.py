@@ -196,3 +196,14 @@ def text_of_parts(content: Any, where: str, part_types: tuple[str, ...] = ("text
         # a refusal part carries its words under "refusal", every other text part under "text"
         pieces.append(field(part, "refusal" if kind == "refusal" else "text", str, path, required=True))
     return "".join(pieces)
+
+
+def cartridges_field(body: dict[str, Any]) -> list[str]:
+    """This server's extension in every dialect: ``cartridges``, the names of the KV prefixes
+    (``--cartridges``) to serve the request behind; absent or empty: the worker's default."""
+    names = field(body, "cartridges", list, default=[])
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(f"'cartridges[{i}]' must be a cartridge's name (a non-empty string)",
+                                      param="cartridges")
+    return names

@@ -127,7 +127,10 @@ class Capabilities:
     kv_slots: int = 1
     queue: int = 16
     kvstore: str | None = None  # the kvstore's description, None without one
-    cartridges: list[str] = field(default_factory=list)  # names of the KV prefixes before every conversation
+    # names of the KV prefixes a request may name; the first is put before every conversation that
+    # names none when default_cartridge is set
+    cartridges: list[str] = field(default_factory=list)
+    default_cartridge: str | None = None
     worker: str = ""  # host:pid of the worker process
 
     @classmethod
@@ -243,6 +246,7 @@ class Accepted(Message):
     TYPE = MsgType.ACCEPTED
     request_id: str
     queue_position: int = 0
+    cartridges: list[str] = field(default_factory=list)  # names of the KV prefixes it is served behind
 
 
 @dataclass

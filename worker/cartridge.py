@@ -33,6 +33,7 @@ from worker.engine.checkpoint import SafetensorsFile, floats, write_safetensors
 from worker.engine.kv_cache import KVCache
 
 FORMAT = "lmserve-cartridge-1"
+PSEUDO_BITS = 15  # a cartridge's positions in its pseudo-ids: fewer than 2**15 (int32 ids, spilled keys)
 
 
 KEY_LAYOUT = "rope-v2"  # how the engine lays keys out (as its KV fingerprint says): part of a match
@@ -64,8 +65,11 @@ class Cartridge:
 
     @property
     def pseudo_ids(self) -> list[int]:
-        """The ids that stand for the prefix in a cache's token list (never fed to the model)."""
-        return [-(i + 1) for i in range(self.tokens)]
+        """The ids that stand for the prefix in a cache's token list (never fed to the model):
+        negative, and each cartridge's own (from its id), so a cache held under one cartridge
+        is never reused under another."""
+        base = int(self.cartridge_id.rsplit(":", 1)[-1][:4], 16) << PSEUDO_BITS
+        return [-(base | (i + 1)) for i in range(self.tokens)]
 
     @classmethod
     def load(cls, path: str | os.PathLike, engine: Engine) -> Cartridge:
@@ -82,6 +86,8 @@ class Cartridge:
             tokens = int(meta["tokens"])
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(f"{path}: its metadata is incomplete ({exc})") from exc
+        if not 0 < tokens < 1 << PSEUDO_BITS:
+            raise ModelLoadError(f"{path} holds {tokens} positions; a cartridge holds 1 to {(1 << PSEUDO_BITS) - 1}")
         here = model_identity(engine)
         if engine.model.reads_cache_tokens:
             raise ModelLoadError(f"{path}: this model reads the tokens its cache holds (nanochat's smear reads the "

@@ -8,7 +8,7 @@ import os
 
 from kvstore.chunks import DEFAULT_CHUNK_TOKENS
 from shared import log_format
-from shared.command_line import EnvParser, env_name, new_parser
+from shared.command_line import CommaList, EnvParser, env_name, new_parser
 from shared.protocol import DEFAULT_ENDPOINT
 
 
@@ -62,6 +62,9 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cartridge", metavar="FILE", default=None,
                    help="a KV prefix (lmserve cartridge init) put before every conversation; its positions "
                         "come out of the context budget")
+    p.add_argument("--cartridges", metavar="FILE,…", action=CommaList, default=[],
+                   help="more cartridges a request may name (its 'cartridges' field: file name without "
+                        ".safetensors) to be served behind instead of --cartridge")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve the worker's Prometheus metrics on this port (0: not at all), on the host of "
                         "the worker's tcp endpoint (loopback for ipc)")

@@ -54,6 +54,14 @@ def context_budget(engine: Engine, kv_slots: int, memory: int, log: logging.Logg
     return ctx
 
 
+def _cartridge(path: str, engine, ctx: int) -> Cartridge:
+    cartridge = Cartridge.load(path, engine)
+    if cartridge.tokens > ctx - 2:  # a prompt of one token and one generated must fit after it
+        raise LmserveError(f"the cartridge {path} takes {cartridge.tokens} positions, which "
+                           f"leaves no room in the context budget of {ctx} tokens (--ctx)")
+    return cartridge
+
+
 def _spiller(args, engine: Engine, ctx: int) -> KVSpiller | None:
     cache = engine.new_cache(1)
     budget = args.kv_disk_slots * ctx * cache.bytes_per_token
@@ -101,15 +109,18 @@ def main(argv: list[str] | None = None) -> int:
             metrics.serve(args.metrics_port, metrics_host(args.worker))
         kv_slots = resident_slot_count(args.kv_slots, args.batch)
         ctx = args.ctx or context_budget(engine, kv_slots, available_memory(), log)
-        cartridge = Cartridge.load(args.cartridge, engine) if args.cartridge else None
+        cartridge = _cartridge(args.cartridge, engine, ctx) if args.cartridge else None
         if cartridge is not None:
-            if cartridge.tokens > ctx - 2:  # a prompt of one token and one generated must fit after it
-                raise LmserveError(f"the cartridge {args.cartridge} takes {cartridge.tokens} positions, which "
-                                   f"leaves no room in the context budget of {ctx} tokens (--ctx)")
             log.info("cartridge %s: %d positions before every conversation", cartridge.name, cartridge.tokens)
+        library = [_cartridge(path, engine, ctx) for path in args.cartridges]
+        names = [c.name for c in ([cartridge] if cartridge else []) + library]
+        if len(set(names)) < len(names):
+            raise LmserveError(f"two cartridges share a name ({', '.join(names)}): a request names one by its "
+                               "file name, so each must differ")
+        for each in library:
+            log.info("cartridge %s: %d positions, for requests that name it", each.name, each.tokens)
+        # a cartridge's pseudo-ids are its own, so the kvstore's chunk keys tell cartridges apart
         spiller = _spiller(args, engine, ctx)
-        if spiller is not None and cartridge is not None:
-            spiller.prefix_ids = (cartridge.cartridge_id,)
         if spiller is not None:
             log.info("kvstore: %s, %d-token chunks", spiller.store.describe(), spiller.chunk_tokens)
         server = WorkerServer(engine, WorkerSettings(
@@ -118,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             scheduler=SchedulerSettings(ctx=ctx, queue=args.queue, batch=args.batch,
                                         kv_slots=kv_slots,
                                         prefill_chunk=args.prefill_chunk, threads=threads,
-                                        scripted_replies=scripted, cartridge=cartridge)))
+                                        scripted_replies=scripted, cartridge=cartridge,
+                                        library=library)))
     except LmserveError as exc:
         print(f"lmserve worker: {exc.message}", file=sys.stderr)
         return 2

@@ -69,11 +69,17 @@ class SchedulerSettings:
     threads: int | None = None  # kernel threads of the engine thread (None: every core)
     scripted_replies: ScriptedReplies | None = None  # tests only: replay given tokens (worker/scripted.py)
     cartridge: Cartridge | None = None  # a KV prefix before every conversation (worker/cartridge.py)
+    library: list[Cartridge] = field(default_factory=list)  # more that requests may name instead
 
     @property
     def prefix(self) -> int:
-        """Cache positions the cartridge takes before each conversation's own."""
+        """Cache positions the default cartridge takes before each conversation's own."""
         return self.cartridge.tokens if self.cartridge is not None else 0
+
+    @property
+    def cartridges(self) -> dict[str, Cartridge]:
+        """Every cartridge a request may name, by name: the default first."""
+        return {c.name: c for c in ([self.cartridge] if self.cartridge is not None else []) + self.library}
 
     @property
     def slot_count(self) -> int:
@@ -97,6 +103,11 @@ class Stream:
     grammar_active: bool = False  # False while a reasoning block must end first
     # with prompt_logprobs: each prompt token's [logprob, alternatives] so far (None: not asked)
     scores: list[list[Any]] | None = None
+    cartridge: Cartridge | None = None  # the KV prefix it is served behind
+
+    @property
+    def prefix(self) -> int:
+        return self.cartridge.tokens if self.cartridge is not None else 0
 
     @property
     def key(self) -> tuple[bytes, str]:
@@ -180,7 +191,8 @@ class Scheduler:
                 self.send(gateway, Busy(rid, 1.0, f"the worker's queue is full "
                                                   f"({len(self.waiting)} waiting, --queue {self.settings.queue})"))
                 return
-            self.send(gateway, Accepted(rid, len(self.waiting)))
+            self.send(gateway, Accepted(rid, len(self.waiting),
+                                        [stream.cartridge.name] if stream.cartridge is not None else []))
             self.streams[stream.key] = stream
             self.waiting.append(stream)
         self.wakeup.set()
@@ -216,11 +228,11 @@ class Scheduler:
     def resident_digests(self) -> list[bytes]:
         """What the resident slots hold, as the prefix digests gateways route by (conversation
         tokens only: a cartridge's pseudo-ids, alike in every slot, are left out)."""
-        skip = len(self.settings.cartridge.pseudo_ids) if self.settings.cartridge is not None else 0
         held: dict[bytes, None] = {}
         for slot in self.pool.slots:
-            tokens = slot.cache.tokens[skip:]  # a copy, taken whole while the engine thread works on
-            held.update(dict.fromkeys(prefix_digests(tokens)))
+            tokens = slot.cache.tokens[:]  # a copy, taken whole while the engine thread works on
+            skip = next((i for i, t in enumerate(tokens) if t >= 0), len(tokens))  # pseudo-ids lead
+            held.update(dict.fromkeys(prefix_digests(tokens[skip:])))
         return list(held)
 
     def stop(self) -> None:
@@ -249,25 +261,41 @@ class Scheduler:
         # a prompt may be scored and nothing generated (how evaluation harnesses score text)
         if request.max_tokens < (0 if request.prompt_logprobs >= 0 else 1):
             raise InvalidRequestError("max_tokens must be at least 1")
-        room = self.settings.ctx - self.settings.prefix
+        cartridge = self._cartridge_of(request)
+        prefix = cartridge.tokens if cartridge is not None else 0
+        room = self.settings.ctx - prefix
         if len(prompt) >= room:
-            held = f", {self.settings.prefix} of them the cartridge's" if self.settings.prefix else ""
+            held = f", {prefix} of them the cartridge's" if prefix else ""
             raise InvalidRequestError(
                 f"prompt is too long: {len(prompt)} tokens > {room - 1} maximum "
                 f"(the context budget --ctx is {self.settings.ctx} tokens{held}, prompt and completion together)")
-        if self.settings.cartridge is not None and request.prompt_logprobs >= 0:
+        if cartridge is not None and request.prompt_logprobs >= 0:
             raise InvalidRequestError("a prompt is not scored behind a cartridge (prompt_logprobs)")
         if request.grammar is not None and self.grammar is None:
             raise InvalidRequestError("constrained decoding (grammar) is not available in this worker")
-        if request.cartridge_ids:
-            raise InvalidRequestError("a request cannot name cartridges here: the worker serves the one of "
-                                      "--cartridge, before every conversation")
         params = request.sampling
         stop_ids = set(request.stop_ids) if request.stop_ids is not None else set(self.engine.tokenizer.stop_ids)
         script = self.settings.scripted_replies
         sampler = script.sampler(params, prompt) if script is not None else Sampler(params, prompt)
         return Stream(gateway, request, params, sampler, stop_ids,
-                      scores=[[None, []]] if request.prompt_logprobs >= 0 else None)
+                      scores=[[None, []]] if request.prompt_logprobs >= 0 else None, cartridge=cartridge)
+
+    def _cartridge_of(self, request: Generate) -> Cartridge | None:
+        """The cartridge a request names (by name or id), else the default one."""
+        if not request.cartridge_ids:
+            return self.settings.cartridge
+        available = self.settings.cartridges
+        if len(request.cartridge_ids) > 1:
+            raise InvalidRequestError(f"a request is served behind one cartridge here, not "
+                                      f"{len(request.cartridge_ids)}: name one of {', '.join(available) or 'none'}",
+                                      param="cartridges")
+        name = request.cartridge_ids[0]
+        for cartridge in available.values():
+            if name in (cartridge.name, cartridge.cartridge_id):
+                return cartridge
+        raise InvalidRequestError(f"unknown cartridge {name!r}: this worker serves "
+                                  f"{', '.join(map(repr, available)) or 'none'} (--cartridge, --cartridges)",
+                                  param="cartridges")
 
     # --- the engine thread ------------------------------------------------------------------------
 
@@ -291,7 +319,7 @@ class Scheduler:
                 stream = self.waiting[0]
                 held = self._held(stream)
                 # a prompt to score is computed whole: it takes the least recently used slot
-                floor = len(held) if stream.scores is not None else self.settings.prefix
+                floor = len(held) if stream.scores is not None else stream.prefix
                 choice = self.pool.acquire(held, stream.request.cache_hint, floor)
                 if choice is None:
                     return
@@ -300,7 +328,7 @@ class Scheduler:
             # restoring reads the kvstore: done outside the lock so admission answers never wait
             cached = choice.reused_tokens
             held = self._held(stream)
-            cartridge = self.settings.cartridge
+            cartridge = stream.cartridge
             if cartridge is not None and cached < cartridge.tokens:
                 cartridge.put_into(stream.slot.cache)  # a slot without the prefix gets it first
                 cached = cartridge.tokens
@@ -316,7 +344,7 @@ class Scheduler:
                     if cartridge is not None and cached < cartridge.tokens:
                         cartridge.put_into(stream.slot.cache)
                         cached = cartridge.tokens
-            stream.cached = cached - self.settings.prefix  # of the conversation's own tokens
+            stream.cached = cached - stream.prefix  # of the conversation's own tokens
             stream.pending = list(held[cached:])
             stream.slot.cache.reserve(len(stream.pending))  # grown once, not chunk by chunk
             with self.lock:
@@ -325,7 +353,7 @@ class Scheduler:
     def _held(self, stream: Stream) -> list[int]:
         """The tokens a stream's cache holds once its prompt is read: the cartridge's pseudo-ids
         (if any), then the prompt."""
-        cartridge = self.settings.cartridge
+        cartridge = stream.cartridge
         prompt = stream.request.prompt
         return prompt if cartridge is None else cartridge.pseudo_ids + list(prompt)
 
@@ -499,7 +527,7 @@ class Scheduler:
             self._finish(stream, FinishReason.STOP)
         elif stream.completion >= request.max_tokens:
             self._finish(stream, FinishReason.LENGTH)
-        elif self.settings.prefix + len(request.prompt) + stream.completion >= self.settings.ctx:
+        elif stream.prefix + len(request.prompt) + stream.completion >= self.settings.ctx:
             self._finish(stream, FinishReason.CONTEXT)
         else:
             stream.next_token = token.token_id

@@ -112,7 +112,8 @@ class WorkerServer:
                 vision=False,  # no architecture here reads images
                 grammar=True, batch=sched.batch, kv_slots=sched.slot_count, queue=sched.queue,
                 kvstore=self.settings.spiller.store.describe() if self.settings.spiller else None,
-                cartridges=[sched.cartridge.name] if sched.cartridge is not None else [],
+                cartridges=list(sched.cartridges),
+                default_cartridge=sched.cartridge.name if sched.cartridge is not None else None,
                 worker=f"{socket.gethostname()}:{os.getpid()}"))
 
     # Messages from the IO thread go straight out; from any other thread, through the outbox.

@@ -31,6 +31,7 @@ from gateway.dialects import ANTHROPIC
 from gateway.errors import sse_error_payload
 from gateway.generation import Completion, prepare
 from gateway.neutral import (
+    usage_extras,
     Event,
     Finish,
     NeutralRequest,
@@ -44,6 +45,7 @@ from gateway.neutral import (
 )
 from gateway.prompting import ModelView
 from gateway.request_fields import (
+    cartridges_field,
     check_type,
     field,
     last_user_index,
@@ -56,6 +58,7 @@ from shared.errors import InvalidRequestError, LmserveError
 from shared.sampling_params import SamplingParams
 
 HONORED = {
+    "cartridges",
     "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p",
     "top_k", "tools", "tool_choice", "thinking", "output_config", "output_format", "grammar",
 }
@@ -131,6 +134,7 @@ def _parse(body: dict[str, Any], view: ModelView, headers: Any, counting: bool) 
         prefill=prefill,
         stream=bool(field(body, "stream", bool, default=False)),
         cache_hint=headers.get("x-claude-code-session-id") if headers is not None else None,
+        cartridges=cartridges_field(body),
         grammar=grammar,
         tool_schemas_bind=True,
         echo=AnthropicEcho(display),
@@ -392,7 +396,8 @@ def _tool_choice(body: dict[str, Any]) -> tuple[Any, bool]:
 def _usage(usage: Usage) -> dict[str, Any]:
     # Anthropic's input_tokens is only the uncached part; the three input fields add up to the prompt.
     return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": usage.cached_tokens, "output_tokens": usage.completion_tokens}
+            "cache_read_input_tokens": usage.cached_tokens, "output_tokens": usage.completion_tokens,
+            **usage_extras(usage)}
 
 
 def _signature(thinking: str) -> str:
@@ -463,7 +468,7 @@ async def stream(request: NeutralRequest, view: ModelView, events: AsyncIterator
                 # The cache split is only known at the end (the worker picks a KV slot after
                 # accepting), so message_start counts the whole prompt as input and
                 # message_delta's cumulative usage, which clients take over, corrects it.
-                start_usage = _usage(Usage(prompt_tokens=event.prompt_tokens))
+                start_usage = _usage(Usage(prompt_tokens=event.prompt_tokens, cartridges=event.cartridges))
                 start_usage["output_tokens"] = 1
                 yield emit("message_start", {"message": {
                     "id": new_id("msg_"), "type": "message", "role": "assistant", "model": request.model,

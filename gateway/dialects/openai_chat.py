@@ -25,6 +25,7 @@ from gateway.dialects import CHAT
 from gateway.errors import sse_error_payload
 from gateway.generation import Completion
 from gateway.neutral import (
+    usage_extras,
     Event,
     Finish,
     LogprobsDelta,
@@ -38,6 +39,7 @@ from gateway.neutral import (
 )
 from gateway.prompting import ModelView
 from gateway.request_fields import (
+    cartridges_field,
     check_type,
     field,
     last_user_index,
@@ -48,6 +50,7 @@ from gateway.request_fields import (
 from shared.errors import InvalidRequestError, LmserveError
 
 HONORED = {
+    "cartridges",
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
     "min_p", "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "logit_bias", "logprobs", "top_logprobs", "n", "stream", "stream_options", "reasoning_effort",
@@ -109,6 +112,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         stream=stream,
         ignore_eos=bool(field(body, "ignore_eos", bool, default=False)),
         cache_hint=field(body, "prompt_cache_key", str),
+        cartridges=cartridges_field(body),
         grammar=grammar,
         echo=ChatEcho(bool(field(stream_options, "include_usage", bool, "stream_options", default=False))),
     )
@@ -197,7 +201,7 @@ def _usage(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens}}
+            "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens}, **usage_extras(usage)}
 
 
 def render(request: NeutralRequest, view: ModelView, completion: Completion) -> dict[str, Any]:

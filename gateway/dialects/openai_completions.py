@@ -32,6 +32,7 @@ from gateway.dialects.common import (
 from gateway.errors import sse_error_payload
 from gateway.generation import Completion
 from gateway.neutral import (
+    usage_extras,
     Event,
     Finish,
     LogprobsDelta,
@@ -43,10 +44,11 @@ from gateway.neutral import (
     Usage,
 )
 from gateway.prompting import ModelView
-from gateway.request_fields import check_type, field, number_in, reject_unknown
+from gateway.request_fields import cartridges_field, check_type, field, number_in, reject_unknown
 from shared.errors import InvalidRequestError, LmserveError
 
 HONORED = {
+    "cartridges",
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "n",
     "best_of", "stream", "stream_options", "echo", "suffix", "ignore_eos", "grammar",
@@ -93,6 +95,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         stop=stop_list(body.get("stop"), "stop", limit=4),
         stream=bool(field(body, "stream", bool, default=False)),
         ignore_eos=bool(field(body, "ignore_eos", bool, default=False)),
+        cartridges=cartridges_field(body),
         grammar=grammar_extension(body),
         prompt_logprobs=(logprobs or 0) if echo and (logprobs is not None or scoring_only) else None,
         echo=CompletionsEcho(
@@ -124,7 +127,7 @@ def _echo(request: NeutralRequest) -> CompletionsEcho:
 def _usage(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}, **usage_extras(usage)}
 
 
 def _legacy_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:

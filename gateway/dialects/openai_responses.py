@@ -53,6 +53,7 @@ from gateway.dialects import RESPONSES
 from gateway.errors import error_body
 from gateway.generation import Completion
 from gateway.neutral import (
+    usage_extras,
     Event,
     Finish,
     LogprobsDelta,
@@ -67,6 +68,7 @@ from gateway.neutral import (
 )
 from gateway.prompting import ModelView
 from gateway.request_fields import (
+    cartridges_field,
     check_type,
     field,
     last_user_index,
@@ -78,6 +80,7 @@ from shared.errors import InvalidRequestError, LmserveError
 from shared.sampling_params import SamplingParams
 
 HONORED = {
+    "cartridges",
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "top_logprobs",
     "reasoning", "text", "tools", "tool_choice", "parallel_tool_calls", "stream", "store", "include",
     "prompt_cache_key", "metadata", "truncation", "background", "grammar", "ignore_eos",
@@ -284,6 +287,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         stream=bool(field(body, "stream", bool, default=False)),
         ignore_eos=bool(field(body, "ignore_eos", bool, default=False)),
         cache_hint=cache_key,
+        cartridges=cartridges_field(body),
         grammar=grammar,
         tool_input_grammars=tools.input_grammars(),
         echo=ResponsesEcho(echo, tools.namespaced(), tools.custom_names()),
@@ -410,7 +414,7 @@ def _usage(usage: Usage) -> dict[str, Any]:
             "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens, **usage_extras(usage)}
 
 
 def _failure(error: LmserveError) -> dict[str, Any]:

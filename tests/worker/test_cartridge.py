@@ -21,6 +21,8 @@ from worker.scheduler import Scheduler, SchedulerSettings
 
 DOCUMENT = ("The lighthouse on Varrow Point was built in 1871 by Ada Quint, who painted it green and kept "
             "its lamp for forty years. Ships from Hollin carried her oil across the bay every spring.")
+OTHER = ("The Ostrel mill grinds barley only on Thursdays, when the river runs fastest past the weir, "
+         "and its miller sings to the stones.")
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +32,8 @@ def tiny(tmp_path_factory):
     engine = Engine.load(folder / "qwen3.gguf", kv_type="f32")
     cache, tokens = from_document(engine, DOCUMENT, 24)
     write(folder / "doc.safetensors", engine, cache, tokens, "test document")
+    cache, tokens = from_document(engine, OTHER, 16)
+    write(folder / "other.safetensors", engine, cache, tokens, "another test document")
     return folder, engine, Cartridge.load(folder / "doc.safetensors", engine)
 
 
@@ -100,24 +104,69 @@ def test_a_cartridge_for_another_model_is_refused(tiny, tmp_path):
 
 
 def test_chunk_keys_carry_the_cartridge(tiny, tmp_path):
+    """The same conversation behind two cartridges, or behind none, is three sets of chunks:
+    each cartridge's pseudo-ids are its own."""
     from kvstore.store import DirectoryStore
     from worker.kv_spill import KVSpiller
 
-    _, engine, cartridge = tiny
+    folder, engine, cartridge = tiny
+    other = Cartridge.load(folder / "other.safetensors", engine)
+    assert not set(cartridge.pseudo_ids) & set(other.pseudo_ids) and max(cartridge.pseudo_ids) < 0
     spiller = KVSpiller(DirectoryStore(tmp_path / "kv", 1 << 20), engine.fingerprint, chunk_tokens=16)
-    ids = cartridge.pseudo_ids + list(range(100, 140))
-    plain = spiller.keys_for(ids)
-    spiller.prefix_ids = (cartridge.cartridge_id,)
-    assert len(plain) == 4 and not set(plain) & set(spiller.keys_for(ids))
+    conversation = list(range(100, 140))
+    keys = [spiller.keys_for(ids) for ids in (cartridge.pseudo_ids + conversation, other.pseudo_ids + conversation,
+                                               conversation)]
+    assert [len(k) for k in keys] == [4, 3, 2]
+    assert not set(keys[0]) & set(keys[1]) and not set(keys[0]) & set(keys[2]) and not set(keys[1]) & set(keys[2])
     spiller.close()
+
+
+def test_a_request_names_its_cartridge(tiny):
+    """Behind a named cartridge a reply is what that document in front of the prompt gives, and
+    a slot held under one cartridge is not reused under another."""
+    folder, engine, cartridge = tiny
+    other = Cartridge.load(folder / "other.safetensors", engine)
+    prompt = engine.tokenizer.encode("Which day does it grind?", add_special=False)
+    outbox = Outbox()
+    scheduler = Scheduler(engine, SchedulerSettings(ctx=128, kv_slots=2, cartridge=cartridge, library=[other]), outbox)
+
+    def ask(rid: str, names: list[str]) -> None:
+        scheduler.submit(b"gw", Generate(rid, prompt, SamplingParams(temperature=0.0), 6, stop_ids=[],
+                                         cartridge_ids=names))
+        for _ in range(50):
+            scheduler.admit()
+            scheduler.step()
+            if not scheduler.running and not scheduler.waiting:
+                break
+
+    ask("default", [])
+    ask("named", ["other"])
+    ask("by-id", [other.cartridge_id])
+    ask("unknown", ["nowhere"])
+    ask("two", ["doc", "other"])
+    accepted = {m.request_id: m for m in outbox.messages if type(m).__name__ == "Accepted"}
+    assert accepted["default"].cartridges == ["doc"] and accepted["named"].cartridges == ["other"]
+    rejected = {m.request_id: m.message for m in outbox.messages if type(m).__name__ == "Rejected"}
+    assert "unknown cartridge 'nowhere'" in rejected["unknown"] and "'doc', 'other'" in rejected["unknown"]
+    assert "one cartridge" in rejected["two"]
+    finished = {m.request_id: m for m in outbox.messages if isinstance(m, Finished)}
+    assert finished["named"].cached_tokens == 0  # the slot of the default cartridge was not reused
+    assert finished["by-id"].cached_tokens == len(prompt) - 1
+    tokens = {rid: [t for m in outbox.messages if isinstance(m, Tokens) and m.request_id == rid for t in m.ids]
+              for rid in ("default", "named")}
+    document = engine.tokenizer.encode(OTHER, parse_special=False)[:16]
+    plain = engine.model.forward([(engine.model.new_cache(64), document + prompt)])[0]
+    assert tokens["named"][0] == int(np.argmax(plain))
 
 
 def test_served_behind_a_cartridge_in_every_dialect(tiny, start_worker, start_gateway):
     folder, _, _ = tiny
-    worker = start_worker(folder / "qwen3.gguf", "--cartridge", str(folder / "doc.safetensors"), "--ctx", "256")
+    worker = start_worker(folder / "qwen3.gguf", "--cartridge", str(folder / "doc.safetensors"), "--ctx", "256",
+                          "--cartridges", str(folder / "other.safetensors"))
     gateway = start_gateway(worker)
     assert worker.card().context_budget == 256 - 24
-    assert httpx.get(gateway.url + "/v1/models", timeout=10).json()["data"][0]["cartridges"] == ["doc"]
+    listed = httpx.get(gateway.url + "/v1/models", timeout=10).json()["data"][0]
+    assert listed["cartridges"] == ["doc", "other"] and listed["default_cartridge"] == "doc"
     with httpx.stream("POST", gateway.url + "/v1/chat/completions", timeout=60, json={
             "model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}) as streamed:
         assert streamed.headers["x-lmserve-cartridges"] == "doc"
@@ -131,6 +180,33 @@ def test_served_behind_a_cartridge_in_every_dialect(tiny, start_worker, start_ga
         assert reply.headers["x-lmserve-cartridges"] == "doc"  # which prefix served it
         counted = reply.json()["usage"]
         assert 0 < counted[usage] < 40, json.dumps(counted)  # the conversation's tokens, not the prefix's
+        assert counted["cartridges"] == ["doc"]
+        # the request names another one; an unknown name is refused in the dialect's envelope
+        named = httpx.post(gateway.url + path, json={"model": "m", **body, "cartridges": ["other"]}, timeout=60)
+        assert named.status_code == 200 and named.headers["x-lmserve-cartridges"] == "other"
+        assert named.json()["usage"]["cartridges"] == ["other"]
+        unknown = httpx.post(gateway.url + path, json={"model": "m", **body, "cartridges": ["nowhere"]}, timeout=60)
+        assert unknown.status_code == 400 and "unknown cartridge 'nowhere'" in unknown.text
+        error = unknown.json()
+        assert error["type"] == "error" if path == "/v1/messages" else "message" in error["error"]
+    wrong = httpx.post(gateway.url + "/v1/chat/completions", timeout=60,
+                       json={"model": "m", "messages": user, "cartridges": "other"})
+    assert wrong.status_code == 400 and "'cartridges'" in wrong.text
+    # the SDKs send it through extra_body, streamed too
+    import anthropic
+    import openai
+
+    chat = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+    with chat.chat.completions.with_streaming_response.create(
+            model="m", messages=user, max_tokens=3, stream=True, stream_options={"include_usage": True},
+            extra_body={"cartridges": ["other"]}) as streamed:
+        assert streamed.headers["x-lmserve-cartridges"] == "other"
+        chunks = list(streamed.parse())
+    assert chunks[-1].usage.model_extra["cartridges"] == ["other"]
+    messages = anthropic.Anthropic(base_url=gateway.url, api_key="x", max_retries=0)
+    with messages.messages.stream(model="m", max_tokens=3, messages=user, extra_body={"cartridges": ["other"]}) as s:
+        final = s.get_final_message()
+    assert final.usage.model_extra["cartridges"] == ["other"]
 
 
 def test_the_command_writes_a_cartridge(tiny, tmp_path):
