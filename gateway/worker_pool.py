@@ -205,6 +205,7 @@ class WorkerPool:
         self._counter = 0
         self._turn = itertools.count()
         self._resolver: asyncio.Task | None = None
+        self._resolved: dict[str, list[str]] = {}  # each dns+tcp:// entry's last answer
 
     # --- membership -------------------------------------------------------------------------------
 
@@ -246,7 +247,14 @@ class WorkerPool:
         wanted = [spec for spec in self.specs if not spec.startswith(DNS_SCHEME)]
         for spec in self.specs:
             if spec.startswith(DNS_SCHEME):
-                wanted += await asyncio.to_thread(resolve, spec)
+                found = await asyncio.to_thread(resolve, spec)
+                if not found and self._resolved.get(spec):
+                    # a failed lookup is not a fleet gone: keep the last answer until the next one
+                    log.warning("%s resolves to nothing now; keeping its last %d worker(s)",
+                                spec, len(self._resolved[spec]))
+                    found = self._resolved[spec]
+                self._resolved[spec] = found
+                wanted += found
         for endpoint in wanted:
             if endpoint not in self.clients:
                 log.info("worker %s found", endpoint)

@@ -1,6 +1,7 @@
-"""Regenerate the tiny gemma models' second reference: the ``transformers`` package.
+"""Regenerate the tiny models' reference from the ``transformers`` package: the second reference
+of the gemma models, and the only one so far of qwen35.
 
-    python scripts/regen_transformers_fixtures.py [gemma3_tiny gemma4_tiny gemma4_e_tiny]
+    python scripts/regen_transformers_fixtures.py [gemma3_tiny gemma4_tiny gemma4_e_tiny qwen35_tiny]
 
 in a venv with torch (CPU), transformers 5.23, gguf, numpy and lmserve's own dependencies
 (``tests/tiny_models.py`` writes the GGUF files). For each tiny model it writes the GGUF, reads
@@ -9,6 +10,11 @@ it back with the ``gguf`` package's reader, renames its tensors to the Hugging F
 transformers model from the matching config, and records its logits for the llama.cpp
 fixture's tokens as ``tests/fixtures/logits_<name>_hf.npz`` (``fixture_files.save_fixture``).
 llama.cpp and transformers were written independently; the engine is held to both.
+
+qwen35 undoes its converter's changes: norms stored as 1 + w (all but ``ssm_norm``), ``ssm_a``
+stored as −exp(A_log), the convolution squeezed to [channels, K], and the value heads (and
+everything per value head) tiled, j ↦ key head j mod H_k, where transformers groups them,
+j ↦ j // (H_v/H_k). It has no llama.cpp fixture yet, so its tokens are qwen3_tiny's.
 """
 
 from __future__ import annotations
@@ -29,7 +35,30 @@ from fixture_files import FIXTURE_DIR, save_fixture, sha256_of  # noqa: E402
 from gguf import GGUFReader  # noqa: E402
 from tiny_models import TINY_FIXTURES, write_tiny_gguf  # noqa: E402
 
-NAMES = ("gemma3_tiny", "gemma4_tiny", "gemma4_e_tiny")
+NAMES = ("gemma3_tiny", "gemma4_tiny", "gemma4_e_tiny", "qwen35_tiny")
+TOKENS_OF = {"qwen35_tiny": "qwen3_tiny"}  # whose llama.cpp fixture lends its tokens
+QWEN35_NAMES = {  # GGUF name after blk.N. -> Hugging Face name after model.layers.N.
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
 LAYER_NAMES = {  # GGUF name after blk.N. -> Hugging Face name after model.layers.N.
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -88,6 +117,72 @@ def state_dict(path: Path, norm_shift: float) -> dict[str, torch.Tensor]:
     return out
 
 
+def grouped_order(info: dict) -> np.ndarray:
+    """For each value head in transformers' grouped order, the GGUF's (tiled) head it is."""
+    key_heads, value_heads = info["ssm_key_heads"], info["ssm_value_heads"]
+    per_key = value_heads // key_heads
+    return np.array([(j % per_key) * key_heads + j // per_key for j in range(value_heads)])
+
+
+def qwen35_state_dict(path: Path, info: dict) -> dict[str, torch.Tensor]:
+    order = grouped_order(info)
+    value_dim, keys = info["ssm_value_dim"], 2 * info["ssm_key_heads"] * info["ssm_key_dim"]
+
+    def by_head(values: np.ndarray, width: int, axis: int = 0) -> np.ndarray:
+        """Reorder ``values``' value heads (``width`` entries each along ``axis``) tiled -> grouped."""
+        moved = np.moveaxis(values, axis, 0)
+        heads = moved.reshape(len(order), width, *moved.shape[1:])[order]
+        return np.moveaxis(heads.reshape(moved.shape), 0, axis)
+
+    out = {}
+    for tensor in GGUFReader(str(path)).tensors:
+        values = np.array(tensor.data, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape)])
+        name = tensor.name
+        if not name.startswith("blk."):
+            if name == "output_norm.weight":
+                values = values - 1.0
+            out[GLOBAL_NAMES[name]] = torch.from_numpy(np.ascontiguousarray(values))
+            continue
+        _, layer, rest = name.split(".", 2)
+        if rest.endswith("norm.weight") and rest != "ssm_norm.weight":
+            values = values - 1.0
+        if rest in ("attn_qkv.weight", "ssm_conv1d.weight"):
+            values = np.concatenate([values[:keys], by_head(values[keys:], value_dim)])
+        elif rest == "attn_gate.weight":
+            values = by_head(values, value_dim)
+        elif rest in ("ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias", "ssm_a"):
+            values = by_head(values, 1)
+        elif rest == "ssm_out.weight":
+            values = by_head(values, value_dim, axis=1)
+        if rest == "ssm_a":
+            values = np.log(-values)
+        if rest == "ssm_conv1d.weight":
+            values = values[:, None, :]
+        out[f"model.layers.{layer}.{QWEN35_NAMES[rest]}"] = torch.from_numpy(np.ascontiguousarray(values))
+    out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def qwen35_model(info: dict) -> torch.nn.Module:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    interval = info["full_attention_interval"]
+    config = Qwen3_5TextConfig(
+        vocab_size=info["n_vocab"], hidden_size=info["n_embd"], intermediate_size=info["n_ff"],
+        num_hidden_layers=info["n_layer"], num_attention_heads=info["n_head"],
+        num_key_value_heads=info["n_head_kv"], head_dim=info["head_dim"], rms_norm_eps=info["rms_eps"],
+        linear_conv_kernel_dim=info["ssm_conv_kernel"], linear_key_head_dim=info["ssm_key_dim"],
+        linear_value_head_dim=info["ssm_value_dim"], linear_num_key_heads=info["ssm_key_heads"],
+        linear_num_value_heads=info["ssm_value_heads"],
+        layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                     for i in range(info["n_layer"])],
+        rope_parameters={"rope_type": "default", "rope_theta": info["rope_base"],
+                         "partial_rotary_factor": info["rope_dims"] / info["head_dim"],
+                         "mrope_section": list(info["rope_sections"][:3])},
+        max_position_embeddings=info["context_length"], tie_word_embeddings=True)
+    return Qwen3_5ForCausalLM(config)
+
+
 def model_for(info: dict) -> tuple[torch.nn.Module, float]:
     """The transformers model of a tiny GGUF's hyperparameters, and its norms' stored shift."""
     layer_types = ["sliding_attention" if local else "full_attention"
@@ -126,12 +221,17 @@ def main(argv: list[str]) -> int:
     names = argv or list(NAMES)
     for name in names:
         arch, overrides = TINY_FIXTURES[name.removesuffix("_tiny")]
-        with np.load(FIXTURE_DIR / f"logits_{name}.npz") as data:
+        lender = TOKENS_OF.get(name, name)
+        with np.load(FIXTURE_DIR / f"logits_{lender}.npz") as data:
             tokens = data["tokens"].tolist()  # the llama.cpp fixture's tokens
         with tempfile.TemporaryDirectory() as scratch:
             info = write_tiny_gguf(Path(scratch) / f"{name}.gguf", arch, seed=0, **overrides)
-            model, shift = model_for(info)
-            missing, unexpected = model.load_state_dict(state_dict(Path(info["path"]), shift), strict=False)
+            if arch == "qwen35":
+                model, weights = qwen35_model(info), qwen35_state_dict(Path(info["path"]), info)
+            else:
+                model, shift = model_for(info)
+                weights = state_dict(Path(info["path"]), shift)
+            missing, unexpected = model.load_state_dict(weights, strict=False)
             buffers = {n for n, _ in model.named_buffers()}
             if unexpected or set(missing) - buffers:
                 raise SystemExit(f"{name}: state dict mismatch: missing {missing}, unexpected {unexpected}")
@@ -144,7 +244,7 @@ def main(argv: list[str]) -> int:
                     "eval": "one forward of the whole token list, float32, eager attention",
                     "model": {"kind": "tiny_models.write_tiny_gguf", "arch": arch, "seed": 0, "overrides": overrides,
                               "sha256": sha256_of(Path(info["path"]))},
-                    "tokens": f"those of logits_{name}.npz"}
+                    "tokens": f"those of logits_{lender}.npz"}
             save_fixture(f"{name}_hf", tokens, logits, json.loads(json.dumps(meta)))
     return 0
 

@@ -34,10 +34,12 @@ import numpy as np
 from worker.engine import q2_0
 from worker.engine.archs import ARCHITECTURES
 from worker.engine.gguf_file import HeaderCursor
-from worker.engine.model import DENSE, FACTORS, MATRIX, NORM, HParams, LayerShape
+from worker.engine.model import DENSE, FACTORS, MATRIX, NORM, HParams, LayerShape, LinearAttention
 
-# the GGUF families (nanochat is served from checkpoint directories: tests/tiny_nanochat.py)
-ARCHS = tuple(arch for arch in ARCHITECTURES if arch != "nanochat")
+# the GGUF families with llama.cpp fixtures (nanochat is served from checkpoint directories:
+# tests/tiny_nanochat.py; qwen35 is held to transformers only so far: TRANSFORMERS_ONLY)
+TRANSFORMERS_ONLY = ("qwen35",)
+ARCHS = tuple(arch for arch in ARCHITECTURES if arch != "nanochat" and arch not in TRANSFORMERS_ONLY)
 
 # Per-architecture defaults; every key may be overridden by keyword.
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -117,6 +119,13 @@ _DEFAULTS["gemma4"] = {
     "write_optional": ("layer_output_scale.weight", "ffn_gate_up_exps.weight", "ffn_down_exps.scale"),
 }
 
+# qwen35: three Gated DeltaNet layers, then one gated full-attention layer (interval 4); 2 key
+# heads tiled over 4 value heads of 16, a 4-tap convolution; attention head_dim 32 with RoPE on
+# its first 8 dims (partial rotary 0.25, as the real models), tied output.
+_DEFAULTS["qwen35"] = {**_DEFAULTS["qwen3"], "n_layer": 4, "rope_base": 1e7, "rope_dims": 8,
+                       "rope_sections": (2, 1, 1, 0), "full_attention_interval": 4, "ssm_conv_kernel": 4,
+                       "ssm_key_heads": 2, "ssm_key_dim": 16, "ssm_value_heads": 4, "ssm_value_dim": 16}
+
 # Variants with logit fixtures of their own: name -> (architecture, overrides). gemma4_e is the
 # E2B/E4B layout in small: no experts, per-layer token embeddings of width 8, and the last two
 # layers reading the KV of the last sliding (layer 2) and global (layer 3) layers before them.
@@ -128,7 +137,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                             "write_optional": ("layer_output_scale.weight",)}),
 }
 # every logit fixture of a tiny model: its name -> (architecture, overrides)
-TINY_FIXTURES = {**{arch: (arch, {}) for arch in ARCHS}, **VARIANTS}
+TINY_FIXTURES = {**{arch: (arch, {}) for arch in ARCHS + TRANSFORMERS_ONLY}, **VARIANTS}
 
 _COMMON_OVERRIDES = {"tensor_type", "name"}
 
@@ -286,7 +295,10 @@ def _set_q2_0_types(path: str | os.PathLike, rows: dict[str, int]) -> None:
 
 
 def _layer_shapes(hp: dict[str, Any]) -> tuple[LayerShape, ...]:
-    """Per-layer geometry of the families whose layers differ (gemma4), as its file says it."""
+    """Per-layer geometry of the families whose layers differ (gemma4, qwen35), as its file says it."""
+    if "full_attention_interval" in hp:
+        return tuple(LayerShape(hp["n_head_kv"], hp["head_dim"], recurrent=(i + 1) % hp["full_attention_interval"] != 0)
+                     for i in range(hp["n_layer"]))
     if "swa_pattern" not in hp:
         return ()
     local = list(hp["swa_pattern"])
@@ -343,7 +355,7 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(hp["rope_base"]))
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(hp.get("rope_dims", head_dim))
     writer.add_layer_norm_rms_eps(float(hp["rms_eps"]))
     if hp.get("sliding_window"):
         writer.add_sliding_window(hp["sliding_window"])
@@ -353,6 +365,14 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
         writer.add_expert_feed_forward_length(hp["n_ff_exp"])
     if arch == "gemma4":
         add_gemma4_keys(writer, hp)
+    if arch == "qwen35":
+        writer.add_ssm_conv_kernel(hp["ssm_conv_kernel"])
+        writer.add_ssm_state_size(hp["ssm_key_dim"])
+        writer.add_ssm_group_count(hp["ssm_key_heads"])
+        writer.add_ssm_time_step_rank(hp["ssm_value_heads"])
+        writer.add_ssm_inner_size(hp["ssm_value_heads"] * hp["ssm_value_dim"])
+        writer.add_full_attention_interval(hp["full_attention_interval"])
+        writer.add_rope_dimension_sections(list(hp["rope_sections"]))
     add_tokenizer_keys(writer, vocab)
 
     rng = np.random.default_rng(seed)
@@ -372,9 +392,12 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
     declared = HParams(
         n_vocab=n_vocab, n_embd=n_embd, n_layer=hp["n_layer"], n_head=n_head, n_head_kv=n_head_kv,
         head_dim=head_dim, value_dim=head_dim, n_ff=hp["n_ff"], context_length=hp["context_length"],
-        rope_base=float(hp["rope_base"]), rope_dims=head_dim, rope_freq_scale=1.0, rms_eps=float(hp["rms_eps"]),
-        n_expert=hp.get("n_expert", 0), n_expert_used=hp.get("n_expert_used", 0), n_ff_expert=hp.get("n_ff_exp", 0),
-        layers=shapes, n_embd_per_layer=hp.get("n_embd_per_layer", 0))
+        rope_base=float(hp["rope_base"]), rope_dims=hp.get("rope_dims", head_dim), rope_freq_scale=1.0,
+        rms_eps=float(hp["rms_eps"]), n_expert=hp.get("n_expert", 0), n_expert_used=hp.get("n_expert_used", 0),
+        n_ff_expert=hp.get("n_ff_exp", 0), layers=shapes, n_embd_per_layer=hp.get("n_embd_per_layer", 0),
+        linear_attention=LinearAttention(hp["ssm_conv_kernel"], hp["ssm_key_heads"], hp["ssm_key_dim"],
+                                         hp["ssm_value_heads"], hp["ssm_value_dim"])
+        if "ssm_conv_kernel" in hp else None)
     written_optional = set(hp.get("write_optional", ()))
     for tensor in ARCHITECTURES[arch].global_tensors(declared):
         if tensor.kind == FACTORS:  # "proportional" RoPE: the first quarter of the pairs rotate
@@ -391,6 +414,8 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
                 continue
             if tensor.kind == NORM:
                 value = norm_weight(tensor.shape[0])
+            elif tensor.name == "ssm_a":  # -exp(A_log): a decay, always negative
+                value = -np.exp(normal(tensor.shape, 0.5))
             else:
                 # gain/sqrt(n_in) keeps a unit-variance input at unit variance; projections
                 # that write the residual stream use gain 0.5 so the token embedding is not

@@ -64,6 +64,11 @@ def _cartridge(path: str, engine, ctx: int) -> Cartridge:
 
 def _spiller(args, engine: Engine, ctx: int) -> KVSpiller | None:
     cache = engine.new_cache(1)
+    if not cache.rewindable and (args.kv_store or args.kv_cache_dir):
+        logging.getLogger("lmserve.worker").warning(
+            "kvstore off: %s keeps recurrent state beside its KV, which is not spilled yet; its KV slots "
+            "still reuse a conversation's earlier turns", engine.architecture)
+        return None
     budget = args.kv_disk_slots * ctx * cache.bytes_per_token
     store = open_store(redis_url=args.kv_store, directory=args.kv_cache_dir, max_bytes=budget)
     return KVSpiller(store, engine.fingerprint, args.kv_chunk) if store is not None else None

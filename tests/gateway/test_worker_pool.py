@@ -210,3 +210,20 @@ def test_workers_gone_from_the_name_are_retired_once_idle():
             await pool.close()
 
     asyncio.run(run())
+
+
+def test_a_failed_lookup_keeps_the_workers_last_found(monkeypatch):
+    import gateway.worker_pool as worker_pool
+
+    async def run():
+        pool = WorkerPool("dns+tcp://localhost:9103", 1.0, 6.0)
+        await pool.start()  # a real lookup: the hosts file
+        try:
+            assert "tcp://127.0.0.1:9103" in pool.clients
+            monkeypatch.setattr(worker_pool, "resolve", lambda spec: [])  # the resolver is down for a while
+            await pool.refresh()
+            assert "tcp://127.0.0.1:9103" in pool.clients and pool.retired == []
+        finally:
+            await pool.close()
+
+    asyncio.run(run())

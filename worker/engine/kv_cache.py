@@ -53,6 +53,10 @@ class KVCache:
         self.max_tokens = max_tokens
         self.length = 0
         self.tokens: list[int] = []  # the token ids whose keys/values are held
+        # Recurrent layers' states (linear attention), by layer, after the tokens held; a cache
+        # that has them is not rewindable: it holds its whole length or nothing.
+        self.recurrent: dict[int, list[np.ndarray]] = {}
+        self.rewindable = True
         self.capacity = 0
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
@@ -114,11 +118,19 @@ class KVCache:
 
     def truncate(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens (they stay valid)."""
+        if not self.rewindable and length < self.length:
+            length = 0  # the states hold every token read: nothing shorter can be kept
+        if length == 0:
+            self.recurrent.clear()
         self.length = min(self.length, length)
         del self.tokens[self.length:]
 
     def common_prefix(self, token_ids: list[int]) -> int:
-        """How many leading tokens of token_ids this cache already holds."""
+        """How many leading tokens of token_ids this cache already holds (in a cache that is not
+        rewindable, all it holds or none)."""
+        if not self.rewindable:
+            held = len(self.tokens)
+            return held if token_ids[:held] == self.tokens and len(token_ids) >= held else 0
         limit = min(len(self.tokens), len(token_ids))
         if limit == 0:
             return 0
@@ -169,9 +181,13 @@ class KVCache:
         self.commit(token_ids)
 
     def copy_prefix(self, other: "KVCache", count: int) -> None:
-        """Hold what ``other`` holds at positions [0, count), and nothing after."""
+        """Hold what ``other`` holds at positions [0, count), and nothing after (all of it, in a
+        cache that is not rewindable)."""
+        if not other.rewindable and count != other.length:
+            raise ValueError("a cache with recurrent state is copied whole or not at all")
         keys, values = other.export(0, count)
         self.restore(0, keys, values, other.tokens[:count])
+        self.recurrent = {layer: [state.copy() for state in states] for layer, states in other.recurrent.items()}
 
     @property
     def bytes_per_token(self) -> int:

@@ -38,6 +38,23 @@ class LayerShape:
     local: bool = False
     kv_from: int | None = None
     n_ff: int = 0  # its FFN's width (0: the model's)
+    recurrent: bool = False  # a linear-attention layer: no KV, a recurrent state instead
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """The geometry of a family's linear-attention (Gated DeltaNet) layers: the short causal
+    convolution's kernel, key heads and their size, value heads and their size."""
+
+    conv_kernel: int
+    key_heads: int
+    key_dim: int
+    value_heads: int
+    value_dim: int
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
 
 
 @dataclass(frozen=True)
@@ -60,6 +77,7 @@ class HParams:
     n_ff_expert: int = 0
     layers: tuple[LayerShape, ...] = ()  # per-layer geometry where layers differ; () where they do not
     n_embd_per_layer: int = 0  # width of per-layer token embeddings (0: none)
+    linear_attention: LinearAttention | None = None  # the recurrent layers' geometry, where there are any
 
     def layer(self, i: int) -> LayerShape:
         return self.layers[i] if self.layers else LayerShape(self.n_head_kv, self.head_dim)
@@ -450,9 +468,13 @@ class DecoderModel:
         hp = self.hp
         if not hp.layers:
             return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, max_tokens, hp.value_dim, self.kv_type)
-        own = [shape for shape in hp.layers if shape.kv_from is None]
-        return KVCache(len(own), hp.n_head_kv, hp.head_dim, max_tokens, hp.value_dim, self.kv_type,
-                       layers=[(shape.n_head_kv, shape.head_dim, shape.head_dim) for shape in own])
+        own = [shape for shape in hp.layers if shape.kv_from is None and not shape.recurrent]
+        cache = KVCache(len(own), hp.n_head_kv, hp.head_dim, max_tokens, hp.value_dim, self.kv_type,
+                        layers=[(shape.n_head_kv, shape.head_dim, shape.head_dim) for shape in own])
+        # a recurrent layer's state exists only at the end of what it read: the cache cannot be
+        # cut back to a shorter prefix
+        cache.rewindable = not any(shape.recurrent for shape in hp.layers)
+        return cache
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         return self.token_embd.rows(token_ids)

@@ -8,6 +8,7 @@ from worker.engine.archs.gemma4 import Gemma4Model
 from worker.engine.archs.llama import LlamaModel
 from worker.engine.archs.nanochat import NanochatModel
 from worker.engine.archs.qwen3 import Qwen3Model
+from worker.engine.archs.qwen35 import Qwen35Model
 from worker.engine.archs.qwen3moe import Qwen3MoeModel
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.model import DecoderModel
@@ -18,6 +19,7 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "llama": LlamaModel,
     "nanochat": NanochatModel,
     "qwen3": Qwen3Model,
+    "qwen35": Qwen35Model,
     "qwen3moe": Qwen3MoeModel,
 }
 
