@@ -37,28 +37,6 @@ from tiny_models import TINY_FIXTURES, write_tiny_gguf  # noqa: E402
 
 NAMES = ("gemma3_tiny", "gemma4_tiny", "gemma4_e_tiny", "qwen35_tiny")
 TOKENS_OF = {"qwen35_tiny": "qwen3_tiny"}  # whose llama.cpp fixture lends its tokens
-QWEN35_NAMES = {  # GGUF name after blk.N. -> Hugging Face name after model.layers.N.
-    "attn_norm.weight": "input_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
-    "attn_gate.weight": "linear_attn.in_proj_z.weight",
-    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
-    "ssm_dt.bias": "linear_attn.dt_bias",
-    "ssm_a": "linear_attn.A_log",
-    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
-    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
-    "ssm_norm.weight": "linear_attn.norm.weight",
-    "ssm_out.weight": "linear_attn.out_proj.weight",
-}
 LAYER_NAMES = {  # GGUF name after blk.N. -> Hugging Face name after model.layers.N.
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -87,6 +65,18 @@ LAYER_NAMES = {  # GGUF name after blk.N. -> Hugging Face name after model.layer
     "proj.weight": "per_layer_projection.weight",
     "post_norm.weight": "post_per_layer_input_norm.weight",
 }
+# qwen35: the attention and FFN names as gemma's (its pre-FFN norm is post_attention_norm,
+# which maps alike), and its linear-attention layers'
+QWEN35_NAMES = {**LAYER_NAMES,
+                "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+                "attn_gate.weight": "linear_attn.in_proj_z.weight",
+                "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+                "ssm_dt.bias": "linear_attn.dt_bias",
+                "ssm_a": "linear_attn.A_log",
+                "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+                "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+                "ssm_norm.weight": "linear_attn.norm.weight",
+                "ssm_out.weight": "linear_attn.out_proj.weight"}
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
