@@ -35,8 +35,9 @@ from fixture_files import FIXTURE_DIR, save_fixture, sha256_of  # noqa: E402
 from gguf import GGUFReader  # noqa: E402
 from tiny_models import TINY_FIXTURES, write_tiny_gguf  # noqa: E402
 
-NAMES = ("gemma3_tiny", "gemma4_tiny", "gemma4_e_tiny", "qwen35_tiny")
-TOKENS_OF = {"qwen35_tiny": "qwen3_tiny"}  # whose llama.cpp fixture lends its tokens
+NAMES = ("gemma3_tiny", "gemma4_tiny", "gemma4_e_tiny", "qwen35_tiny", "qwen35moe_tiny")
+# whose llama.cpp fixture lends its tokens
+TOKENS_OF = {"qwen35_tiny": "qwen3_tiny", "qwen35moe_tiny": "qwen3_tiny"}
 LAYER_NAMES = {  # GGUF name after blk.N. -> Hugging Face name after model.layers.N.
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -76,7 +77,14 @@ QWEN35_NAMES = {**LAYER_NAMES,
                 "ssm_beta.weight": "linear_attn.in_proj_b.weight",
                 "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
                 "ssm_norm.weight": "linear_attn.norm.weight",
-                "ssm_out.weight": "linear_attn.out_proj.weight"}
+                "ssm_out.weight": "linear_attn.out_proj.weight",
+                # qwen35moe
+                "ffn_gate_inp.weight": "mlp.gate.weight",
+                "ffn_down_exps.weight": "mlp.experts.down_proj",
+                "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+                "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -125,6 +133,7 @@ def qwen35_state_dict(path: Path, info: dict) -> dict[str, torch.Tensor]:
         return np.moveaxis(heads.reshape(moved.shape), 0, axis)
 
     out = {}
+    stacked: dict[str, dict[str, np.ndarray]] = {}
     for tensor in GGUFReader(str(path)).tensors:
         values = np.array(tensor.data, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape)])
         name = tensor.name
@@ -148,16 +157,27 @@ def qwen35_state_dict(path: Path, info: dict) -> dict[str, torch.Tensor]:
             values = np.log(-values)
         if rest == "ssm_conv1d.weight":
             values = values[:, None, :]
+        if rest == "ffn_gate_inp_shexp.weight":
+            values = values[None, :]  # a [1, D] projection there
+        if rest in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):  # stacked as one [E, 2F, D] there
+            stacked.setdefault(layer, {})[rest] = values
+            continue
         out[f"model.layers.{layer}.{QWEN35_NAMES[rest]}"] = torch.from_numpy(np.ascontiguousarray(values))
+    for layer, parts in stacked.items():
+        both = np.concatenate([parts["ffn_gate_exps.weight"], parts["ffn_up_exps.weight"]], axis=1)
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.from_numpy(both)
     out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
 
 
 def qwen35_model(info: dict) -> torch.nn.Module:
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     interval = info["full_attention_interval"]
-    config = Qwen3_5TextConfig(
+    moe = info["arch"] == "qwen35moe"
+    extra = dict(num_experts=info["n_expert"], num_experts_per_tok=info["n_expert_used"],
+                 moe_intermediate_size=info["n_ff_exp"], shared_expert_intermediate_size=info["n_ff"]) if moe else {}
+    config = (Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig)(**extra,
         vocab_size=info["n_vocab"], hidden_size=info["n_embd"], intermediate_size=info["n_ff"],
         num_hidden_layers=info["n_layer"], num_attention_heads=info["n_head"],
         num_key_value_heads=info["n_head_kv"], head_dim=info["head_dim"], rms_norm_eps=info["rms_eps"],
@@ -170,7 +190,7 @@ def qwen35_model(info: dict) -> torch.nn.Module:
                          "partial_rotary_factor": info["rope_dims"] / info["head_dim"],
                          "mrope_section": list(info["rope_sections"][:3])},
         max_position_embeddings=info["context_length"], tie_word_embeddings=True)
-    return Qwen3_5ForCausalLM(config)
+    return (Qwen3_5MoeForCausalLM if moe else Qwen3_5ForCausalLM)(config)
 
 
 def model_for(info: dict) -> tuple[torch.nn.Module, float]:
@@ -216,7 +236,7 @@ def main(argv: list[str]) -> int:
             tokens = data["tokens"].tolist()  # the llama.cpp fixture's tokens
         with tempfile.TemporaryDirectory() as scratch:
             info = write_tiny_gguf(Path(scratch) / f"{name}.gguf", arch, seed=0, **overrides)
-            if arch == "qwen35":
+            if arch in ("qwen35", "qwen35moe"):
                 model, weights = qwen35_model(info), qwen35_state_dict(Path(info["path"]), info)
             else:
                 model, shift = model_for(info)

@@ -38,7 +38,7 @@ from worker.engine.model import DENSE, FACTORS, MATRIX, NORM, HParams, LayerShap
 
 # the GGUF families with llama.cpp fixtures (nanochat is served from checkpoint directories:
 # tests/tiny_nanochat.py; qwen35 is held to transformers only so far: TRANSFORMERS_ONLY)
-TRANSFORMERS_ONLY = ("qwen35",)
+TRANSFORMERS_ONLY = ("qwen35", "qwen35moe")
 ARCHS = tuple(arch for arch in ARCHITECTURES if arch != "nanochat" and arch not in TRANSFORMERS_ONLY)
 
 # Per-architecture defaults; every key may be overridden by keyword.
@@ -125,6 +125,10 @@ _DEFAULTS["gemma4"] = {
 _DEFAULTS["qwen35"] = {**_DEFAULTS["qwen3"], "n_layer": 4, "rope_base": 1e7, "rope_dims": 8,
                        "rope_sections": (2, 1, 1, 0), "full_attention_interval": 4, "ssm_conv_kernel": 4,
                        "ssm_key_heads": 2, "ssm_key_dim": 16, "ssm_value_heads": 4, "ssm_value_dim": 16}
+# qwen35moe: qwen35 with every FFN a mixture of 8 experts of width 32, 2 routed per token, and a
+# gated shared expert of width 48 (``n_ff``); gate and up stacked apart.
+_DEFAULTS["qwen35moe"] = {**_DEFAULTS["qwen35"], "n_ff": 48, "n_expert": 8, "n_expert_used": 2, "n_ff_exp": 32,
+                          "write_optional": ("ffn_gate_exps.weight", "ffn_up_exps.weight")}
 
 # Variants with logit fixtures of their own: name -> (architecture, overrides). gemma4_e is the
 # E2B/E4B layout in small: no experts, per-layer token embeddings of width 8, and the last two
@@ -365,7 +369,9 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
         writer.add_expert_feed_forward_length(hp["n_ff_exp"])
     if arch == "gemma4":
         add_gemma4_keys(writer, hp)
-    if arch == "qwen35":
+    if arch == "qwen35moe":
+        writer.add_expert_shared_feed_forward_length(hp["n_ff"])
+    if arch in ("qwen35", "qwen35moe"):
         writer.add_ssm_conv_kernel(hp["ssm_conv_kernel"])
         writer.add_ssm_state_size(hp["ssm_key_dim"])
         writer.add_ssm_group_count(hp["ssm_key_heads"])

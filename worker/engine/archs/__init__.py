@@ -9,6 +9,7 @@ from worker.engine.archs.llama import LlamaModel
 from worker.engine.archs.nanochat import NanochatModel
 from worker.engine.archs.qwen3 import Qwen3Model
 from worker.engine.archs.qwen35 import Qwen35Model
+from worker.engine.archs.qwen35moe import Qwen35MoeModel
 from worker.engine.archs.qwen3moe import Qwen3MoeModel
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.model import DecoderModel
@@ -20,6 +21,7 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "nanochat": NanochatModel,
     "qwen3": Qwen3Model,
     "qwen35": Qwen35Model,
+    "qwen35moe": Qwen35MoeModel,
     "qwen3moe": Qwen3MoeModel,
 }
 

@@ -76,13 +76,18 @@ class Qwen35Model(DecoderModel):
         return replace(hp, n_layer=n_layer, layers=layers, linear_attention=linear)
 
     @classmethod
-    def layer_tensors(cls, hp: HParams, i: int) -> list[LayerTensor]:
+    def ffn_tensors(cls, hp: HParams) -> list[LayerTensor]:
+        """The dense SwiGLU after ``post_attention_norm``."""
         d, f = hp.n_embd, hp.n_ff
+        return [LayerTensor("gate", "ffn_gate.weight", (f, d)),
+                LayerTensor("up", "ffn_up.weight", (f, d)),
+                LayerTensor("down", "ffn_down.weight", (d, f))]
+
+    @classmethod
+    def layer_tensors(cls, hp: HParams, i: int) -> list[LayerTensor]:
+        d = hp.n_embd
         tensors = [LayerTensor("attn_norm", "attn_norm.weight", (d,), NORM),
-                   LayerTensor("ffn_norm", "post_attention_norm.weight", (d,), NORM),
-                   LayerTensor("gate", "ffn_gate.weight", (f, d)),
-                   LayerTensor("up", "ffn_up.weight", (f, d)),
-                   LayerTensor("down", "ffn_down.weight", (d, f))]
+                   LayerTensor("ffn_norm", "post_attention_norm.weight", (d,), NORM), *cls.ffn_tensors(hp)]
         if not hp.layer(i).recurrent:
             hd = hp.head_dim
             return tensors + [LayerTensor("wq", "attn_q.weight", (2 * hp.n_head * hd, d)),
@@ -117,8 +122,11 @@ class Qwen35Model(DecoderModel):
         h = ops.rms_norm(x, layer["attn_norm"], eps)
         mixer = self.gated_delta_net if self.hp.layer(i).recurrent else self.gated_attention
         x = x + mixer(i, h, fp)
-        return x + ops.gated_ffn(ops.rms_norm(x, layer["ffn_norm"], eps), layer["gate"], layer["up"],
-                                 layer["down"], "silu")
+        return x + self.ffn(i, ops.rms_norm(x, layer["ffn_norm"], eps))
+
+    def ffn(self, i: int, h: np.ndarray) -> np.ndarray:
+        layer = self.layers[i]
+        return ops.gated_ffn(h, layer["gate"], layer["up"], layer["down"], "silu")
 
     def gated_attention(self, i: int, h: np.ndarray, fp: ForwardPass) -> np.ndarray:
         hp, layer = self.hp, self.layers[i]
