@@ -33,7 +33,7 @@ sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 import torch  # noqa: E402
 from fixture_files import FIXTURE_DIR, save_fixture, sha256_of  # noqa: E402
 from gguf import GGUFReader  # noqa: E402
-from tiny_models import TINY_FIXTURES, write_tiny_gguf  # noqa: E402
+from tiny_models import TINY_SPECS, write_tiny_gguf  # noqa: E402
 
 NAMES = ("gemma3_tiny", "gemma4_tiny", "gemma4_e_tiny", "qwen35_tiny", "qwen35moe_tiny")
 # whose llama.cpp fixture lends its tokens
@@ -230,7 +230,7 @@ def model_for(info: dict) -> tuple[torch.nn.Module, float]:
 def main(argv: list[str]) -> int:
     names = argv or list(NAMES)
     for name in names:
-        arch, overrides = TINY_FIXTURES[name.removesuffix("_tiny")]
+        arch, overrides = TINY_SPECS[name.removesuffix("_tiny")]
         lender = TOKENS_OF.get(name, name)
         with np.load(FIXTURE_DIR / f"logits_{lender}.npz") as data:
             tokens = data["tokens"].tolist()  # the llama.cpp fixture's tokens

@@ -140,8 +140,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                             "swa_pattern": (True, True, True, False, True, False),
                             "write_optional": ("layer_output_scale.weight",)}),
 }
-# every logit fixture of a tiny model: its name -> (architecture, overrides)
-TINY_FIXTURES = {**{arch: (arch, {}) for arch in ARCHS + TRANSFORMERS_ONLY}, **VARIANTS}
+# every logit fixture from llama.cpp of a tiny model: its name -> (architecture, overrides)
+TINY_FIXTURES = {**{arch: (arch, {}) for arch in ARCHS}, **VARIANTS}
+# every tiny model with a fixture of either reference
+TINY_SPECS = {**TINY_FIXTURES, **{arch: (arch, {}) for arch in TRANSFORMERS_ONLY}}
 
 _COMMON_OVERRIDES = {"tensor_type", "name"}
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tiny_models import ARCHS, TINY_FIXTURES, write_tiny_gguf
+from tiny_models import ARCHS, TINY_FIXTURES, TINY_SPECS, write_tiny_gguf
 
 from worker.engine import kernels
 from worker.engine.archs import load_model
@@ -118,7 +118,7 @@ TRANSFORMERS_FIXTURES = ("gemma3", "gemma4", "gemma4_e", "qwen35", "qwen35moe")
 @pytest.mark.parametrize("name", TRANSFORMERS_FIXTURES)
 def test_tiny_model_logits_match_transformers(name, kv_type, tmp_path):
     fixture = _fixture(f"{name}_tiny_hf")
-    arch, overrides = TINY_FIXTURES[name]
+    arch, overrides = TINY_SPECS[name]
     assert fixture["meta"]["model"]["overrides"] == json.loads(json.dumps(overrides)), "regenerate the fixture"
     path = tmp_path / f"{name}.gguf"
     write_tiny_gguf(path, arch, seed=0, **overrides)

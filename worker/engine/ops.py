@@ -165,6 +165,15 @@ def gated_ffn(x: np.ndarray, gate: Weight, up: Weight, down: Weight, activation:
     return linear(t, down)
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + e^x), without overflow for large x."""
+    return np.logaddexp(np.float32(0.0), x).astype(np.float32)
+
+
 def silu(g: np.ndarray) -> np.ndarray:
     """g / (1 + e^-g) in a new array: numpy's exp is vectorized, a compiled loop's would call
     libm per value."""

@@ -144,7 +144,7 @@ class Qwen35Model(DecoderModel):
         for cache, (start, end) in zip(fp.caches, fp.spans):
             keys, values = cache.write(self.kv_index[i], k[start:end], v[start:end])
             out[start:end] = ops.causal_attention(q[start:end], keys, values, cache.length, scale)
-        return ops.linear(out * _sigmoid(gate), layer["wo"])
+        return ops.linear(out * ops.sigmoid(gate), layer["wo"])
 
     def gated_delta_net(self, i: int, h: np.ndarray, fp: ForwardPass) -> np.ndarray:
         hp, layer, la = self.hp, self.layers[i], self.hp.linear_attention
@@ -152,8 +152,8 @@ class Qwen35Model(DecoderModel):
         inp = MatmulInput(h)
         mixed = ops.linear(inp, layer["qkv"])  # [T, conv channels]
         z = ops.linear(inp, layer["z"]).reshape(n, la.value_heads, la.value_dim)
-        beta = _sigmoid(ops.linear(inp, layer["beta"]))  # [T, value heads]
-        g = _softplus(ops.linear(inp, layer["alpha"]) + layer["dt_bias"]) * layer["a"]  # < 0: a decay
+        beta = ops.sigmoid(ops.linear(inp, layer["beta"]))  # [T, value heads]
+        g = ops.softplus(ops.linear(inp, layer["alpha"]) + layer["dt_bias"]) * layer["a"]  # < 0: a decay
         out = np.empty((n, la.value_heads, la.value_dim), dtype=np.float32)
         for cache, (start, end) in zip(fp.caches, fp.spans):
             out[start:end] = self._recurrence(i, cache, mixed[start:end], beta[start:end], g[start:end])
@@ -194,10 +194,3 @@ class Qwen35Model(DecoderModel):
             out[step] = np.einsum("hkv,hk->hv", state, q[step])
         return out
 
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
-
-
-def _softplus(x: np.ndarray) -> np.ndarray:
-    return np.logaddexp(np.float32(0.0), x).astype(np.float32)

@@ -15,7 +15,7 @@ import numpy as np
 
 from shared.errors import ModelLoadError
 from worker.engine import ops
-from worker.engine.archs.qwen35 import Qwen35Model, _sigmoid
+from worker.engine.archs.qwen35 import Qwen35Model
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.model import BIAS, DENSE, HParams, LayerTensor
 
@@ -64,4 +64,4 @@ class Qwen35MoeModel(Qwen35Model):
 
         routed = ops.moe_gated_ffn(h, experts, weights, expert)
         shared = ops.gated_ffn(h, layer["shexp_gate"], layer["shexp_up"], layer["shexp_down"], "silu")
-        return routed + shared * _sigmoid(h @ layer["shexp_gate_inp"])[:, None]
+        return routed + shared * ops.sigmoid(h @ layer["shexp_gate_inp"])[:, None]
