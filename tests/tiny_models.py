@@ -276,11 +276,12 @@ class _TensorSink:
             self._writer.add_tensor(name, encoded, raw_dtype=self._qtype)
 
 
-def _set_q2_0_types(path: str | os.PathLike, rows: dict[str, int]) -> None:
+def set_q2_0_types(path: str | os.PathLike, rows: dict[str, int]) -> None:
     """Give the tensors written as raw Q2_0 bytes their type (42) and row length in values, in
-    the header's tensor table (the same number of bytes: patched in place)."""
+    the header's tensor table (the same number of bytes: patched in place; only the header,
+    which the first 256 MiB hold, is read)."""
     with open(path, "r+b") as fh:
-        data = bytearray(fh.read())
+        data = bytearray(fh.read(256 << 20))
         cursor = HeaderCursor(bytes(data))
         cursor.pos = 4 + 4
         n_tensors, n_kv = cursor.scalar("<Q"), cursor.scalar("<Q")
@@ -441,7 +442,7 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
     writer.write_tensors_to_file()
     writer.close()
     if sink.q2_0:
-        _set_q2_0_types(path, sink.q2_0)
+        set_q2_0_types(path, sink.q2_0)
 
     info: dict[str, Any] = {"arch": arch, "seed": seed, "name": name, "path": os.fspath(path),
                             "n_vocab": n_vocab, **hp, "tensor_shapes": sink.shapes,
