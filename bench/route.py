@@ -40,19 +40,13 @@ from pathlib import Path
 import httpx
 import openai
 
-from bench.faults import cpu_flags
+from bench.faults import cpu_flags, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER_HEADER = "x-lmserve-worker"
 WORKER_FLAGS = ["--batch", "1", "--kv-slots", "4", "--threads", "1", "--queue", "8"]
 VOCABULARY = ("alpha beta gamma delta epsilon function return value import module class method object "
               "string number list index error check test build file path line name type field").split()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -95,11 +89,11 @@ class Cluster:
     def __init__(self, model: str | None, ctx: int, policy: str, redis_url: str, logs: Path, label: str = ""):
         self.model, self.ctx, self.policy, self.redis_url, self.logs = model, ctx, policy, redis_url, logs
         self.label = label or policy
-        self.endpoints = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(2)]
+        self.endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
         self.workers: list[subprocess.Popen | None] = [None, None]
         for i in range(2):
             self.start_worker(i)
-        self.ports = [_free_port() for _ in range(2)]
+        self.ports = [free_port() for _ in range(2)]
         self.gateways = [self._spawn(f"gateway-{self.label}-{i}", [
             "gateway", "--worker", ",".join(self.endpoints), "--port", str(port), "--route", policy])
             for i, port in enumerate(self.ports)]
@@ -283,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("redis-server") is None:
         parser.error("redis-server is not installed (Debian package redis-server)")
     logs = Path(tempfile.mkdtemp(prefix="lmserve-route-"))
-    redis_port = _free_port()
+    redis_port = free_port()
     redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                               "--appendonly", "no", "--dir", str(logs)], stdout=subprocess.DEVNULL)
     redis_url = f"redis://127.0.0.1:{redis_port}/0"

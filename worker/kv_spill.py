@@ -39,8 +39,6 @@ class KVSpiller:
         self.max_pending_bytes = max_pending_bytes
         self.stats = SpillStats()
         self._pending_bytes = 0
-        # what every cache starts with beyond its tokens (a cartridge's id): part of each chunk's key
-        self.prefix_ids: tuple[str, ...] = ()
         self._in_flight: set[str] = set()  # queued, not yet written: not queued again
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, KVChunk] | None] = queue.Queue()
@@ -48,7 +46,8 @@ class KVSpiller:
         self._thread.start()
 
     def keys_for(self, tokens: list[int]) -> list[str]:
-        return chunk_keys(self.fingerprint, tokens, self.chunk_tokens, self.prefix_ids)
+        # a cartridge's pseudo-ids lead the tokens of a cache behind it, so they key its chunks apart
+        return chunk_keys(self.fingerprint, tokens, self.chunk_tokens)
 
     # --- restore (engine thread) -----------------------------------------------------------
 

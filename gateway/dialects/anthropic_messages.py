@@ -31,7 +31,6 @@ from gateway.dialects import ANTHROPIC
 from gateway.errors import sse_error_payload
 from gateway.generation import Completion, prepare
 from gateway.neutral import (
-    usage_extras,
     Event,
     Finish,
     NeutralRequest,
@@ -42,6 +41,7 @@ from gateway.neutral import (
     ToolCallArgumentsDelta,
     ToolCallStart,
     Usage,
+    usage_extras,
 )
 from gateway.prompting import ModelView
 from gateway.request_fields import (

@@ -25,7 +25,6 @@ from gateway.dialects import CHAT
 from gateway.errors import sse_error_payload
 from gateway.generation import Completion
 from gateway.neutral import (
-    usage_extras,
     Event,
     Finish,
     LogprobsDelta,
@@ -36,6 +35,7 @@ from gateway.neutral import (
     ToolCallArgumentsDelta,
     ToolCallStart,
     Usage,
+    usage_extras,
 )
 from gateway.prompting import ModelView
 from gateway.request_fields import (

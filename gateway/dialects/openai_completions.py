@@ -32,7 +32,6 @@ from gateway.dialects.common import (
 from gateway.errors import sse_error_payload
 from gateway.generation import Completion
 from gateway.neutral import (
-    usage_extras,
     Event,
     Finish,
     LogprobsDelta,
@@ -42,6 +41,7 @@ from gateway.neutral import (
     TextDelta,
     TokenLogprob,
     Usage,
+    usage_extras,
 )
 from gateway.prompting import ModelView
 from gateway.request_fields import cartridges_field, check_type, field, number_in, reject_unknown

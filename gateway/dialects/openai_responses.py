@@ -53,7 +53,6 @@ from gateway.dialects import RESPONSES
 from gateway.errors import error_body
 from gateway.generation import Completion
 from gateway.neutral import (
-    usage_extras,
     Event,
     Finish,
     LogprobsDelta,
@@ -65,6 +64,7 @@ from gateway.neutral import (
     ToolCallEnd,
     ToolCallStart,
     Usage,
+    usage_extras,
 )
 from gateway.prompting import ModelView
 from gateway.request_fields import (

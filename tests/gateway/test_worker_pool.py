@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from gateway.neutral import NeutralRequest
+from gateway.worker_client import WorkerClient
 from gateway.flags import DEFAULT_QUEUE_TOKENS
 from gateway.worker_pool import QueueCost, WorkerPool, affinity_key, parse_endpoints, resolve
 from shared.prefix_digest import ROUTE_BLOCK, held_prefix, prefix_digests
@@ -28,7 +29,6 @@ def pool_of(*cards: ModelCard, **options) -> WorkerPool:
     endpoints = ",".join(f"tcp://127.0.0.1:{9000 + i}" for i in range(len(cards)))
     pool = WorkerPool(endpoints, 1.0, 6.0, **{"queue_tokens": 1024, **options})
     for i, each in enumerate(cards):
-        from gateway.worker_client import WorkerClient
         client = WorkerClient(f"tcp://127.0.0.1:{9000 + i}")
         client.receive(each)
         pool.clients[client.endpoint] = client
