@@ -6,6 +6,7 @@
     lmserve generate [MODEL]   complete one prompt in this process and print the speeds
     lmserve models             the models MODEL may name (fetched on first use); else a GGUF path
     lmserve cartridge init DOC a KV prefix of a document, for --cartridge
+    lmserve cartridge train DOC… a cartridge trained on documents by self-study (lmserve[train])
 """
 
 from __future__ import annotations

@@ -78,3 +78,20 @@ def test_no_module_uses_another_modules_private_names():
             elif isinstance(node, ast.Attribute) and private(node.attr) and node.attr not in own:
                 wrong.append(f"{path.relative_to(REPO)}:{node.lineno} uses {ast.unparse(node)}")
     assert not wrong, "private names used from outside their module:\n" + "\n".join(wrong)
+
+
+def test_only_cartridge_training_imports_torch():
+    """Serving never needs torch (an optional extra, lmserve[train]): one module imports it, and
+    only ``lmserve cartridge train``/``fleet`` import that module, inside the command."""
+    importers = []
+    for path in python_files("gateway", "worker", "kvstore", "shared", "launcher"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            if any(name.split(".")[0] == "torch" for name in names):
+                importers.append(path.relative_to(REPO).as_posix())
+    assert importers == ["worker/cartridge_train.py"]
+    for path in python_files("gateway", "worker", "kvstore", "shared", "launcher"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top_level = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+        assert not any(isinstance(n, ast.ImportFrom) and n.module == "worker.cartridge_train" for n in top_level), path
