@@ -186,10 +186,11 @@ def models_body(view: ModelView, created: int) -> dict[str, Any]:
              "max_input_tokens": view.context_budget, "context_length": view.context_budget,
              # what the model can be asked for beyond text (the playground reads these)
              "reasoning": view.has_reasoning_channel, "tool_calls": view.tool_call_tags is not None,
-             # the KV prefixes a request may name (its "cartridges" field), and the one served
-             # to those that name none
+             # the KV prefixes a request may name (its "cartridges" field), the one served to
+             # those that name none, and a fleet's documents (chosen per conversation)
              "cartridges": view.card.capabilities.cartridges,
-             "default_cartridge": view.card.capabilities.default_cartridge}
+             "default_cartridge": view.card.capabilities.default_cartridge,
+             "fleet": view.card.capabilities.fleet}
     return {"object": "list", "data": [entry], "has_more": False, "first_id": model_id, "last_id": model_id}
 
 

@@ -48,9 +48,12 @@ class ReasoningSplitter:
     it renders it back), so they are dropped.
     """
 
-    def __init__(self, tags: Tags, inside: bool = False):
+    def __init__(self, tags: Tags, inside: bool = False, call_opens: str | None = None):
         self.tags = tags
         self.inside = inside
+        # a call's opening tag that ends the reasoning too (it stays in the text, for the calls'
+        # parser): Qwen3.5 may open a call without closing its think block
+        self.call_opens = call_opens
         self.held = ""
         self.closed_once = False
         self.at_edge = True  # nothing emitted since the last tag (or the start)
@@ -62,8 +65,16 @@ class ReasoningSplitter:
         while buffer:
             tag = self.tags.close if self.inside else self.tags.open
             position = buffer.find(tag)
+            if self.inside and self.call_opens:
+                call = buffer.find(self.call_opens)
+                if call != -1 and (position == -1 or call < position):
+                    self._emit(buffer[:call].rstrip("\n"), out)
+                    self.closed_once, self.inside, self.at_edge = True, False, True
+                    buffer = buffer[call:]
+                    continue
             if position == -1:
-                ready = buffer[:len(buffer) - partial_suffix(buffer, (tag,))]
+                tags = (tag, self.call_opens) if self.inside and self.call_opens else (tag,)
+                ready = buffer[:len(buffer) - partial_suffix(buffer, tags)]
                 if self.inside:  # line breaks may be the ones right before the closing tag
                     ready = ready.rstrip("\n")
                 emit, self.held = ready, buffer[len(ready):]
@@ -104,6 +115,20 @@ def prepare(view: ModelView, request: NeutralRequest) -> tuple[tool_calls.ToolPl
                                   request.prefill)
 
 
+QUERY_TOKENS = 512  # of a message, what a fleet's retrieval reads at most (its last ones)
+
+
+def _retrieval(view: ModelView, request: NeutralRequest, prompt: list[int]) -> dict:
+    """For a worker serving a fleet: the conversation's key, under which its choice of
+    cartridges is kept, and the ids of its last user message, which make the choice (a text
+    completion's: its prompt's last ids)."""
+    last = next((m.get("content") for m in reversed(request.messages)
+                 if m.get("role") == "user" and isinstance(m.get("content"), str) and m.get("content")), None)
+    query = (view.tokenizer.encode(last, add_special=False, parse_special=False) if last is not None
+             else [] if request.messages else prompt)
+    return {"conversation": affinity_key(request, prompt), "query": query[-QUERY_TOKENS:]}
+
+
 async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest,
                    prepared: tuple[tool_calls.ToolPlan, list[int]], ping_interval: float = 10.0,
                    cut: asyncio.Event | None = None) -> AsyncIterator[Event]:
@@ -127,6 +152,7 @@ async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest
                               grammar_after_reasoning=grammar is not None and request.grammar_after_reasoning,
                               cache_hint=request.cache_hint, stop_ids=[] if request.ignore_eos else None,
                               cartridge_ids=list(request.cartridges),
+                              **(_retrieval(view, request, prompt) if view.card.capabilities.fleet else {}),
                               prompt_logprobs=-1 if request.prompt_logprobs is None else request.prompt_logprobs)
     tokenizer = view.tokenizer
     decoder = tokenizer.incremental_decoder(skip_special=True)
@@ -136,7 +162,9 @@ async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest
         PlainText() if request.prompt is not None else
         ReasoningSplitter(view.reasoning_tags,
                           inside=request.prefill == "" and _prompt_opens_reasoning(view)
-                          if view.has_reasoning_channel and request.reasoning else False),
+                          if view.has_reasoning_channel and request.reasoning else False,
+                          call_opens=view.tool_call_tags.open
+                          if view.tool_call_format == tool_calls.QWEN_XML and view.tool_call_tags else None),
         StopStringMatcher(request.stop),
         tools.parser())
     usage = Usage(prompt_tokens=len(prompt))

@@ -35,7 +35,8 @@ FIELD_TYPES: dict[str, dict[str, Any]] = {
     "stop_sequences": {"type": "array", "items": {"type": "string"}},
     "cartridges": {"type": "array", "items": {"type": "string"},
                    "description": "this server's extension: the KV prefixes (cartridges, by name) to serve the "
-                                  "request behind instead of the default one"},
+                                  "request behind instead of the default one; several compose in "
+                                  "the order given"},
     "grammar": {"type": "object", "description": "this server's extension: {type: json_schema | regex | lark "
                 "| llguidance, definition}, the reply held to it"},
 }

@@ -131,6 +131,7 @@ class Capabilities:
     # names none when default_cartridge is set
     cartridges: list[str] = field(default_factory=list)
     default_cartridge: str | None = None
+    fleet: list[str] = field(default_factory=list)  # a fleet's documents (empty: none): send query ids
     worker: str = ""  # host:pid of the worker process
 
     @classmethod
@@ -206,6 +207,10 @@ class Generate(Message):
     grammar_after_reasoning: bool = False
     cartridge_ids: list[str] = field(default_factory=list)
     cache_hint: str | None = None  # a session id for slot affinity
+    # for a worker serving a fleet: the conversation's key (its choice of cartridges is kept under
+    # it) and the ids of its last user message (what retrieval reads)
+    conversation: str | None = None
+    query: list[int] = field(default_factory=list)
     # >= 0: score the prompt too, each token's logprob with this many alternatives (the prompt is
     # then computed whole, and max_tokens may be 0); -1: not
     prompt_logprobs: int = -1

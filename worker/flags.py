@@ -65,6 +65,18 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cartridges", metavar="FILE,…", action=CommaList, default=[],
                    help="more cartridges a request may name (its 'cartridges' field: file name without "
                         ".safetensors) to be served behind instead of --cartridge")
+    p.add_argument("--fleet", metavar="DIR", default=None,
+                   help="a fleet (lmserve cartridge fleet): each conversation is served behind the cartridges "
+                        "of the documents its last user message retrieves; excludes --cartridge")
+    p.add_argument("--rag-docs", type=int, default=1,
+                   help="with --fleet: cartridges composed per conversation (default 1)")
+    p.add_argument("--rag-chunks", type=int, default=8,
+                   help="with --fleet: nearest index chunks scanned for a message (default 8)")
+    p.add_argument("--rag-adaptive", action="store_true",
+                   help="with --fleet: a later turn switches when an outside document out-scores the weakest "
+                        "chosen one by --rag-margin (else the first turn's choice is kept)")
+    p.add_argument("--rag-margin", type=float, default=0.05,
+                   help="with --rag-adaptive: the cosine margin a switch needs (default 0.05)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve the worker's Prometheus metrics on this port (0: not at all), on the host of "
                         "the worker's tcp endpoint (loopback for ipc)")
@@ -94,6 +106,12 @@ def check_worker_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
             p.error(f"--{name.replace('_', '-')} must be positive")
     if 0 < args.ctx < 16:
         p.error("--ctx must be at least 16 tokens")
+    if args.fleet and args.cartridge:
+        p.error("--fleet excludes --cartridge: a fleet chooses each conversation's cartridges itself")
+    if args.rag_docs < 1 or args.rag_chunks < 1:
+        p.error("--rag-docs and --rag-chunks must be at least 1")
+    if not args.rag_margin >= 0:
+        p.error("--rag-margin must be 0 or more")
 
 
 def build_parser() -> EnvParser:

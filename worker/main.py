@@ -17,6 +17,7 @@ from shared.load_progress import ProgressBar, StatusWriter
 from shared.memory import fix_mmap_threshold
 from worker import metrics
 from worker.cartridge import Cartridge
+from worker.fleet import Fleet, Retrieval
 from worker.engine import Engine, kernels
 from worker.flags import build_parser, check_worker_flags, metrics_host, model_argument
 from worker.kv_spill import KVSpiller
@@ -62,13 +63,22 @@ def _cartridge(path: str, engine, ctx: int) -> Cartridge:
     return cartridge
 
 
+def _fleet(args, engine: Engine, ctx: int, spiller: KVSpiller | None) -> Fleet:
+    retrieval = Retrieval(args.rag_docs, args.rag_chunks, args.rag_adaptive, args.rag_margin)
+    fleet = Fleet.load(args.fleet, engine, retrieval, spiller.store if spiller is not None else None)
+    if fleet.prefix_tokens > ctx - 2:
+        raise LmserveError(f"the fleet's {args.rag_docs} largest cartridges take {fleet.prefix_tokens} positions, "
+                           f"which leaves no room in the context budget of {ctx} tokens (--ctx)")
+    where = "in the kvstore" if spiller is not None else "in this process (no kvstore)"
+    logging.getLogger("lmserve.worker").info(
+        "fleet %s: %d documents, %d chunks indexed, %d cartridge(s) a conversation%s; choices kept %s",
+        args.fleet, len(fleet.names), len(fleet.owners), args.rag_docs,
+        ", adaptive" if args.rag_adaptive else "", where)
+    return fleet
+
+
 def _spiller(args, engine: Engine, ctx: int) -> KVSpiller | None:
     cache = engine.new_cache(1)
-    if not cache.rewindable and (args.kv_store or args.kv_cache_dir):
-        logging.getLogger("lmserve.worker").warning(
-            "kvstore off: %s keeps recurrent state beside its KV, which is not spilled yet; its KV slots "
-            "still reuse a conversation's earlier turns", engine.architecture)
-        return None
     budget = args.kv_disk_slots * ctx * cache.bytes_per_token
     store = open_store(redis_url=args.kv_store, directory=args.kv_cache_dir, max_bytes=budget)
     return KVSpiller(store, engine.fingerprint, args.kv_chunk) if store is not None else None
@@ -128,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         spiller = _spiller(args, engine, ctx)
         if spiller is not None:
             log.info("kvstore: %s, %d-token chunks", spiller.store.describe(), spiller.chunk_tokens)
+        fleet = _fleet(args, engine, ctx, spiller) if args.fleet else None
         server = WorkerServer(engine, WorkerSettings(
             spiller=spiller, chat_template=_read_template(args.chat_template),
             endpoint=args.worker, heartbeat_timeout=args.heartbeat_timeout,
@@ -135,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                                         kv_slots=kv_slots,
                                         prefill_chunk=args.prefill_chunk, threads=threads,
                                         scripted_replies=scripted, cartridge=cartridge,
-                                        library=library)))
+                                        library=library, fleet=fleet)))
     except LmserveError as exc:
         print(f"lmserve worker: {exc.message}", file=sys.stderr)
         return 2

@@ -38,7 +38,8 @@ from shared.sampling_params import SamplingParams
 from worker import metrics
 from worker.engine import kernels
 from worker.engine import Engine
-from worker.cartridge import Cartridge
+from worker.cartridge import Cartridge, compose
+from worker.fleet import Fleet
 from worker.engine.sampling import Sampler
 from worker.grammar import GrammarEngine, error_text
 from worker.kv_slots import Slot, SlotPool
@@ -51,6 +52,7 @@ log = logging.getLogger("lmserve.worker")
 Sender = Callable[[bytes, Message], None]
 
 
+MAX_COMPOSITIONS = 16  # compositions of named cartridges kept made
 MAX_PROMPT_ALTERNATIVES = 20  # alternatives per scored prompt token, as for generated ones
 
 
@@ -70,16 +72,21 @@ class SchedulerSettings:
     scripted_replies: ScriptedReplies | None = None  # tests only: replay given tokens (worker/scripted.py)
     cartridge: Cartridge | None = None  # a KV prefix before every conversation (worker/cartridge.py)
     library: list[Cartridge] = field(default_factory=list)  # more that requests may name instead
+    fleet: Fleet | None = None  # cartridges chosen per conversation (worker/fleet.py)
 
     @property
     def prefix(self) -> int:
-        """Cache positions the default cartridge takes before each conversation's own."""
+        """Cache positions the default cartridge (or a fleet's largest choice) takes before each
+        conversation's own."""
+        if self.fleet is not None:
+            return self.fleet.prefix_tokens
         return self.cartridge.tokens if self.cartridge is not None else 0
 
     @property
     def cartridges(self) -> dict[str, Cartridge]:
-        """Every cartridge a request may name, by name: the default first."""
-        return {c.name: c for c in ([self.cartridge] if self.cartridge is not None else []) + self.library}
+        """Every cartridge a request may name, by name: the default first, a fleet's last."""
+        fleet = list(self.fleet.cartridges.values()) if self.fleet is not None else []
+        return {c.name: c for c in ([self.cartridge] if self.cartridge is not None else []) + self.library + fleet}
 
     @property
     def slot_count(self) -> int:
@@ -127,6 +134,7 @@ class Scheduler:
         self.wake_io: Callable[[], None] = lambda: None  # set by the server
         self.pool = SlotPool(engine.model, settings.slot_count, settings.ctx)
         self.lock = threading.Lock()
+        self.compositions: dict[tuple[str, ...], Cartridge] = {}  # cartridges composed for requests
         self.wakeup = threading.Event()
         self.waiting: deque[Stream] = deque()
         self.running: list[Stream] = []
@@ -192,7 +200,7 @@ class Scheduler:
                                                   f"({len(self.waiting)} waiting, --queue {self.settings.queue})"))
                 return
             self.send(gateway, Accepted(rid, len(self.waiting),
-                                        [stream.cartridge.name] if stream.cartridge is not None else []))
+                                        stream.cartridge.names if stream.cartridge is not None else []))
             self.streams[stream.key] = stream
             self.waiting.append(stream)
         self.wakeup.set()
@@ -281,21 +289,43 @@ class Scheduler:
                       scores=[[None, []]] if request.prompt_logprobs >= 0 else None, cartridge=cartridge)
 
     def _cartridge_of(self, request: Generate) -> Cartridge | None:
-        """The cartridge a request names (by name or id), else the default one."""
+        """The cartridges a request names (by name or id), composed in its order, else a fleet's
+        choice for its conversation, else the default one."""
+        fleet = self.settings.fleet
+        if not request.cartridge_ids and fleet is not None:
+            query = request.query
+            if not isinstance(query, list) or not all(isinstance(t, int) and 0 <= t < fleet.vocab for t in query):
+                raise InvalidRequestError(f"query must be token ids in 0..{fleet.vocab - 1}")
+            if request.conversation is not None and not isinstance(request.conversation, str):
+                raise InvalidRequestError("conversation must be a string")
+            return self.composed([fleet.cartridges[n] for n in fleet.choose(request.conversation, query)])
         if not request.cartridge_ids:
             return self.settings.cartridge
         available = self.settings.cartridges
-        if len(request.cartridge_ids) > 1:
-            raise InvalidRequestError(f"a request is served behind one cartridge here, not "
-                                      f"{len(request.cartridge_ids)}: name one of {', '.join(available) or 'none'}",
-                                      param="cartridges")
-        name = request.cartridge_ids[0]
-        for cartridge in available.values():
-            if name in (cartridge.name, cartridge.cartridge_id):
-                return cartridge
-        raise InvalidRequestError(f"unknown cartridge {name!r}: this worker serves "
-                                  f"{', '.join(map(repr, available)) or 'none'} (--cartridge, --cartridges)",
-                                  param="cartridges")
+        parts = []
+        for name in request.cartridge_ids:
+            found = next((c for c in available.values() if name in (c.name, c.cartridge_id)), None)
+            if found is None:
+                raise InvalidRequestError(f"unknown cartridge {name!r}: this worker serves "
+                                          f"{', '.join(map(repr, available)) or 'none'} (--cartridge, --cartridges)",
+                                          param="cartridges")
+            if found in parts:
+                raise InvalidRequestError(f"cartridge {name!r} is named twice", param="cartridges")
+            parts.append(found)
+        return self.composed(parts)
+
+    def composed(self, parts: list[Cartridge]) -> Cartridge:
+        """The composition of these parts in this order, made once and kept (a few of them)."""
+        key = tuple(p.cartridge_id for p in parts)
+        with self.lock:
+            made = self.compositions.pop(key, None)
+        if made is None:
+            made = compose(parts, self.engine)
+        with self.lock:
+            self.compositions[key] = made  # most recently used last
+            while len(self.compositions) > MAX_COMPOSITIONS:
+                del self.compositions[next(iter(self.compositions))]
+        return made
 
     # --- the engine thread ------------------------------------------------------------------------
 
@@ -344,6 +374,8 @@ class Scheduler:
                     if cartridge is not None and cached < cartridge.tokens:
                         cartridge.put_into(stream.slot.cache)
                         cached = cartridge.tokens
+            if self.spiller is not None and not stream.slot.cache.rewindable:
+                stream.slot.cache.snapshot_every = self.spiller.chunk_tokens
             stream.cached = cached - stream.prefix  # of the conversation's own tokens
             stream.pending = list(held[cached:])
             stream.slot.cache.reserve(len(stream.pending))  # grown once, not chunk by chunk
@@ -368,7 +400,11 @@ class Scheduler:
             if stream.pending:
                 if prefill_budget <= 0:
                     continue
-                chunk = stream.pending[:prefill_budget]
+                take = prefill_budget
+                every = stream.slot.cache.snapshot_every
+                if every:  # recurrent state is kept at chunk ends: a step stops at the next one
+                    take = min(take, every - stream.slot.cache.length % every)
+                chunk = stream.pending[:take]
                 prefill_budget -= len(chunk)
                 batch.append((stream, chunk))
             elif stream.next_token is not None:
@@ -397,6 +433,8 @@ class Scheduler:
                 self._spill_filled(stream, len(tokens))
                 if stream.pending:
                     continue  # more prompt to read before the first token
+            elif stream.slot.cache.snapshots and self.spiller is not None:
+                self._spill(stream)  # a reply reached a chunk's end: its states go with the chunk
             if stream.scores is not None:
                 self.send(stream.gateway, Tokens(stream.request.request_id, [], cached_tokens=0,
                                                  prompt_logprobs=stream.scores))

@@ -105,15 +105,16 @@ class WorkerServer:
             fingerprint=engine.fingerprint, instance=self.instance,
             capabilities=Capabilities(
                 context_length=engine.model.hp.context_length,
-                reasoning_tags=convention(engine.tokenizer).reasoning,
+                reasoning_tags=convention(engine.tokenizer, template).reasoning,
                 reasoning=has_reasoning_switch(engine.tokenizer, template),
                 tool_call_tags=tool_call_tags(engine.tokenizer, template),
-                tool_call_format=convention(engine.tokenizer).name,
+                tool_call_format=convention(engine.tokenizer, template).name,
                 vision=False,  # no architecture here reads images
                 grammar=True, batch=sched.batch, kv_slots=sched.slot_count, queue=sched.queue,
                 kvstore=self.settings.spiller.store.describe() if self.settings.spiller else None,
                 cartridges=list(sched.cartridges),
                 default_cartridge=sched.cartridge.name if sched.cartridge is not None else None,
+                fleet=sched.fleet.names if sched.fleet is not None else [],
                 worker=f"{socket.gethostname()}:{os.getpid()}"))
 
     # Messages from the IO thread go straight out; from any other thread, through the outbox.

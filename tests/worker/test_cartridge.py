@@ -89,6 +89,38 @@ def test_the_scheduler_serves_behind_it_and_reuses_the_prefix(tiny):
     assert "of them the cartridge's" in refused.messages[-1].message
 
 
+def test_composed_cartridges_keep_their_trained_distances(tiny):
+    """A composition holds its first part as it is and each later part with its keys turned to
+    the positions it takes: a query at position p meets a later part's key j as it met it at
+    p − offset when the part stood alone, in every layer's RoPE."""
+    from worker.cartridge import compose
+    from worker.engine import ops
+
+    folder, engine, doc = tiny
+    other = Cartridge.load(folder / "other.safetensors", engine)
+    both = compose([doc, other], engine)
+    assert both.tokens == doc.tokens + other.tokens and both.names == ["doc", "other"]
+    assert both.pseudo_ids == doc.pseudo_ids + other.pseudo_ids
+    np.testing.assert_array_equal(both.keys[:, :, :doc.tokens], doc.keys)
+    np.testing.assert_array_equal(both.values[:, :, doc.tokens:], other.values)
+    model, rng = engine.model, np.random.default_rng(0)
+    for layer in range(len(model.layers)):
+        inv_freq, adjacent = model.rope_tables[model.layer_rope[layer]]
+        query = rng.standard_normal((1, 1, model.hp.head_dim)).astype(np.float32)
+
+        def at(position: int) -> np.ndarray:
+            return ops.apply_rope(query, *ops.rope_cos_sin(np.array([position]), inv_freq), adjacent)[0, 0]
+
+        p = 50
+        moved = both.keys[layer, :, doc.tokens:] @ at(p)
+        alone = other.keys[layer] @ at(p - doc.tokens)
+        np.testing.assert_allclose(moved, alone, atol=1e-3 * np.abs(alone).max())
+        assert np.abs(both.keys[layer, :, doc.tokens:] - other.keys[layer]).max() > 1e-2  # they did turn
+    # a scheduler makes a composition once and keeps it
+    scheduler = Scheduler(engine, SchedulerSettings(ctx=128, cartridge=doc, library=[other]), Outbox())
+    assert scheduler.composed([doc, other]) is scheduler.composed([doc, other])
+
+
 def test_a_cartridge_for_another_model_is_refused(tiny, tmp_path):
     folder, _, _ = tiny
     write_tiny_gguf(tmp_path / "llama.gguf", "llama")
@@ -144,11 +176,13 @@ def test_a_request_names_its_cartridge(tiny):
     ask("by-id", [other.cartridge_id])
     ask("unknown", ["nowhere"])
     ask("two", ["doc", "other"])
+    ask("twice", ["doc", "doc"])
     accepted = {m.request_id: m for m in outbox.messages if type(m).__name__ == "Accepted"}
     assert accepted["default"].cartridges == ["doc"] and accepted["named"].cartridges == ["other"]
     rejected = {m.request_id: m.message for m in outbox.messages if type(m).__name__ == "Rejected"}
     assert "unknown cartridge 'nowhere'" in rejected["unknown"] and "'doc', 'other'" in rejected["unknown"]
-    assert "one cartridge" in rejected["two"]
+    assert accepted["two"].cartridges == ["doc", "other"]  # composed, in the order named
+    assert "named twice" in rejected["twice"]
     finished = {m.request_id: m for m in outbox.messages if isinstance(m, Finished)}
     assert finished["named"].cached_tokens == 0  # the slot of the default cartridge was not reused
     assert finished["by-id"].cached_tokens == len(prompt) - 1
@@ -192,6 +226,10 @@ def test_served_behind_a_cartridge_in_every_dialect(tiny, start_worker, start_ga
     wrong = httpx.post(gateway.url + "/v1/chat/completions", timeout=60,
                        json={"model": "m", "messages": user, "cartridges": "other"})
     assert wrong.status_code == 400 and "'cartridges'" in wrong.text
+    composed = httpx.post(gateway.url + "/v1/chat/completions", timeout=60,
+                          json={"model": "m", "messages": user, "max_tokens": 3, "cartridges": ["other", "doc"]})
+    assert composed.status_code == 200 and composed.headers["x-lmserve-cartridges"] == "other,doc"
+    assert composed.json()["usage"]["cartridges"] == ["other", "doc"]
     # the SDKs send it through extra_body, streamed too
     import anthropic
     import openai

@@ -479,12 +479,13 @@ class DecoderModel:
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         return self.token_embd.rows(token_ids)
 
-    def forward(self, steps: list[tuple[KVCache, list[int]]], all_logits: bool = False
-                ) -> list[np.ndarray]:
+    def forward(self, steps: list[tuple[KVCache, list[int]]], all_logits: bool = False,
+                hidden: bool = False) -> list[np.ndarray]:
         """Feed each sequence its new tokens in one weight pass; return logits per sequence.
 
         Logits are [n_vocab] for a sequence's last new token, or [T_s, n_vocab] for all of its
-        new tokens with ``all_logits``. Each cache grows by its tokens.
+        new tokens with ``all_logits``. With ``hidden``, the final RMSNorm's output [n_embd]
+        stands in for the logits (what a fleet's index embeds). Each cache grows by its tokens.
         """
         spans, positions, token_ids = [], [], []
         row = 0
@@ -510,7 +511,7 @@ class DecoderModel:
         for cache, tokens in steps:
             cache.commit(tokens)
         rows = np.arange(row) if all_logits else np.array([end - 1 for _, end in spans])
-        logits = self.logits(x[rows])
+        logits = ops.rms_norm(x[rows], self.output_norm, self.hp.rms_eps) if hidden else self.logits(x[rows])
         if all_logits:
             return [logits[start:end] for start, end in spans]
         return list(logits)

@@ -1,0 +1,245 @@
+"""A fleet: one cartridge per document and an index that picks them per conversation (``--fleet DIR``).
+
+    lmserve cartridge fleet DOCS_DIR --out FLEET_DIR [training flags]
+
+trains a cartridge for every ``*.txt`` and ``*.md`` in DOCS_DIR (``FLEET_DIR/NAME.safetensors``,
+resumable: a finished one is kept) and writes ``FLEET_DIR/index.safetensors``: an embedding of
+every chunk of every document, made by the served model itself (the mean of its final normed
+hidden states over the chunk, centred on the mean of all chunks and scaled to unit length).
+
+Serving, each conversation's last user message is embedded the same way; the ``--rag-chunks``
+chunks nearest to it by cosine similarity are scanned, a document scores its best chunk among
+them, and the ``--rag-docs`` best documents' cartridges compose as the conversation's prefix
+(best first). The choice is kept per conversation (in the kvstore when there is one, so every
+worker sees it): later turns keep it, unless ``--rag-adaptive`` is on and a document outside it
+out-scores the weakest chosen one by ``--rag-margin``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shared.errors import ModelLoadError
+from worker.cartridge import Cartridge, compose, model_identity
+from worker.engine import Engine
+from worker.engine.checkpoint import SafetensorsFile, floats, write_safetensors
+
+INDEX_FORMAT = "lmserve-fleet-1"
+INDEX_FILE = "index.safetensors"
+DOCUMENT_SUFFIXES = (".txt", ".md")
+MAX_LOCAL_CHOICES = 4096  # conversations whose choice is kept in memory when there is no kvstore
+
+
+def embed(engine: Engine, ids: list[int], window: int = 512) -> np.ndarray:
+    """The mean of the final normed hidden states over ``ids`` (their last ``window`` tokens)."""
+    ids = ids[-window:]
+    cache = engine.new_cache(len(ids))
+    return engine.model.forward([(cache, ids)], all_logits=True, hidden=True)[0].mean(axis=0)
+
+
+def unit(vectors: np.ndarray) -> np.ndarray:
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=-1, keepdims=True), 1e-12)
+
+
+def documents_in(folder: Path) -> list[Path]:
+    found = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in DOCUMENT_SUFFIXES)
+    if not found:
+        raise ModelLoadError(f"{folder} holds no documents ({', '.join('*' + s for s in DOCUMENT_SUFFIXES)})")
+    return found
+
+
+def build_index(engine: Engine, documents: dict[str, str], out: Path, chunk_tokens: int) -> int:
+    """Write the fleet's index of ``documents`` (name → text); the number of chunks."""
+    vectors, owners = [], []
+    for d, (name, text) in enumerate(documents.items()):
+        ids = engine.tokenizer.encode(text, add_special=False, parse_special=False)
+        if not ids:
+            raise ModelLoadError(f"document {name} has no tokens")
+        for start in range(0, len(ids), chunk_tokens):
+            vectors.append(embed(engine, ids[start:start + chunk_tokens]))
+            owners.append(d)
+    matrix = np.stack(vectors).astype(np.float32)
+    mean = matrix.mean(axis=0)
+    matrix = unit(matrix - mean).astype(np.float32)
+    tensors = {"embeddings": ("F32", matrix.shape, matrix.tobytes()),
+               "mean": ("F32", mean.shape, mean.astype(np.float32).tobytes())}
+    write_safetensors(out / INDEX_FILE, tensors, {
+        "format": INDEX_FORMAT, "model": json.dumps(model_identity(engine)), "documents": json.dumps(list(documents)),
+        "chunk_documents": json.dumps(owners), "chunk_tokens": str(chunk_tokens)})
+    return len(owners)
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    """The knobs: cartridges per conversation, chunks scanned, whether later turns may switch."""
+
+    docs: int = 1
+    chunks: int = 8
+    adaptive: bool = False
+    margin: float = 0.05
+
+
+class Fleet:
+    """A loaded fleet: its cartridges, its index, and the choices made per conversation."""
+
+    def __init__(self, folder: Path, engine: Engine, cartridges: dict[str, Cartridge], embeddings: np.ndarray,
+                 mean: np.ndarray, owners: np.ndarray, retrieval: Retrieval, store=None):
+        self.folder, self.engine, self.cartridges = folder, engine, cartridges
+        self.names = list(cartridges)
+        self.embeddings, self.mean, self.owners = embeddings, mean, owners
+        self.retrieval = retrieval
+        self.vocab = engine.model.hp.n_vocab
+        self.store = store  # a kvstore (get/put): where choices are shared; None: this process only
+        self.fleet_id = hashlib.sha256("|".join(c.cartridge_id for c in cartridges.values()).encode()).hexdigest()[:16]
+        self.lock = threading.Lock()
+        self.local: OrderedDict[str, list[str]] = OrderedDict()
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike, engine: Engine, retrieval: Retrieval, store=None) -> Fleet:
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise ModelLoadError(f"fleet directory not found: {folder}")
+        index_path = folder / INDEX_FILE
+        if not index_path.is_file():
+            raise ModelLoadError(f"{folder} holds no {INDEX_FILE}: make a fleet with "
+                                 f"'lmserve cartridge fleet DOCS_DIR --out {folder}'")
+        index = SafetensorsFile(index_path)
+        meta = index.metadata
+        if meta.get("format") != INDEX_FORMAT:
+            raise ModelLoadError(f"{index_path} is not a fleet index (no format {INDEX_FORMAT!r} in its metadata)")
+        made_for = json.loads(meta.get("model", "{}"))
+        if made_for != model_identity(engine):
+            raise ModelLoadError(f"{index_path} was made with another model ({made_for.get('architecture')}, "
+                                 f"weights {made_for.get('weights')}): a fleet serves only the model it was made from")
+        names = json.loads(meta["documents"])
+        owners = np.asarray(json.loads(meta["chunk_documents"]), dtype=np.int64)
+        embeddings, mean = (floats(dtype, raw, shape) for dtype, shape, raw in map(index.raw, ("embeddings", "mean")))
+        if embeddings.shape != (len(owners), engine.model.hp.n_embd):
+            raise ModelLoadError(f"{index_path}: embeddings are {list(embeddings.shape)}, not "
+                                 f"[{len(owners)}, {engine.model.hp.n_embd}]")
+        cartridges = {}
+        for name in names:
+            path = folder / f"{name}.safetensors"
+            if not path.is_file():
+                raise ModelLoadError(f"{folder}: the index names {name}, whose cartridge {path.name} is missing")
+            cartridges[name] = Cartridge.load(path, engine)
+        if retrieval.docs > len(names):
+            raise ModelLoadError(f"--rag-docs {retrieval.docs} asks for more cartridges than the fleet's "
+                                 f"{len(names)} documents")
+        return cls(folder, engine, cartridges, embeddings, mean, owners, retrieval, store)
+
+    @property
+    def prefix_tokens(self) -> int:
+        """The most positions a conversation's composed prefix may take."""
+        sizes = sorted((c.tokens for c in self.cartridges.values()), reverse=True)
+        return sum(sizes[:self.retrieval.docs])
+
+    def scores(self, query: list[int]) -> dict[str, float]:
+        """Each document's score for a query: its best chunk's cosine similarity among the
+        ``chunks`` nearest; documents with no chunk there score their best anywhere, minus 2 (so
+        they rank after every document that has one)."""
+        q = unit(embed(self.engine, query) - self.mean)
+        similarity = self.embeddings @ q
+        nearest = np.argsort(-similarity)[:self.retrieval.chunks]
+        scores = {name: -3.0 for name in self.names}
+        for d, name in enumerate(self.names):
+            mine = similarity[self.owners == d]
+            if mine.size:
+                scores[name] = float(mine.max()) - 2.0
+        for i in nearest:
+            name = self.names[self.owners[i]]
+            scores[name] = max(scores[name], float(similarity[i]))
+        return scores
+
+    def choose(self, conversation: str | None, query: list[int]) -> list[str]:
+        """The documents a conversation is served with: kept from its earlier turns, else (or
+        when ``adaptive`` and an outside document out-scores the weakest chosen one by the
+        margin) the best ``docs`` for this query."""
+        kept = self.recall(conversation) if conversation else None
+        if kept and not self.retrieval.adaptive:
+            return kept
+        if not query:
+            return kept or self.names[:self.retrieval.docs]
+        scores = self.scores(query)
+        best = sorted(self.names, key=lambda n: -scores[n])[:self.retrieval.docs]
+        if kept:
+            outside = [scores[n] for n in self.names if n not in kept]
+            if not outside or max(outside) <= min(scores[n] for n in kept) + self.retrieval.margin:
+                return kept
+        if conversation:
+            self.remember(conversation, best)
+        return best
+
+    def cartridge_for(self, names: list[str]) -> Cartridge:
+        return compose([self.cartridges[n] for n in names], self.engine)
+
+    # --- the choices ----------------------------------------------------------------------------
+
+    def _key(self, conversation: str) -> str:
+        # one digest of the fleet and the conversation: a client's session id never becomes a
+        # key's text (nor, in a directory store, a file name)
+        digest = hashlib.sha256(f"{self.fleet_id}\0{conversation}".encode()).hexdigest()[:32]
+        return f"fleet-choice:{digest}"
+
+    def recall(self, conversation: str) -> list[str] | None:
+        if self.store is not None:
+            held = self.store.get(self._key(conversation))
+            names = json.loads(held[0]) if held else None
+        else:
+            with self.lock:
+                names = self.local.get(conversation)
+        return names if names and all(n in self.cartridges for n in names) else None
+
+    def remember(self, conversation: str, names: list[str]) -> None:
+        if self.store is not None:
+            self.store.put(self._key(conversation), json.dumps(names).encode(), b"")
+            return
+        with self.lock:
+            self.local[conversation] = names
+            self.local.move_to_end(conversation)
+            while len(self.local) > MAX_LOCAL_CHOICES:
+                self.local.popitem(last=False)
+
+
+def fleet_command(parser: argparse.ArgumentParser, args: argparse.Namespace, model: str) -> int:
+    """``lmserve cartridge fleet``: a cartridge per document, then the index."""
+    from worker.cartridge import train_settings
+
+    folder = Path(args.docs_dir)
+    if not folder.is_dir():
+        parser.error(f"no such directory: {folder}")
+    try:
+        from worker.cartridge_train import Trainer
+    except ImportError as exc:
+        parser.error(str(exc))
+    settings = train_settings(parser, args)
+    try:
+        paths = documents_in(folder)
+    except ModelLoadError as exc:
+        parser.error(exc.message)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    engine = Engine.load(model, kv_type="f32")
+    documents = {p.stem: p.read_text(encoding="utf-8") for p in paths}
+    for i, (name, text) in enumerate(documents.items()):
+        target = out / f"{name}.safetensors"
+        if target.is_file() and not args.fresh:
+            print(f"[{i + 1}/{len(documents)}] {name}: kept {target}")
+            continue
+        print(f"[{i + 1}/{len(documents)}] {name}")
+        trainer = Trainer(engine, text, settings, out / f"{name}.safetensors.ckpt", fresh=args.fresh)
+        trainer.write_samples()
+        trainer.train()
+        trainer.write(target, f"self-study on {name}")
+    chunks = build_index(engine, documents, out, args.index_chunk_tokens)
+    print(f"{out}: {len(documents)} cartridges of {engine.model_id}, an index of {chunks} chunks")
+    return 0
