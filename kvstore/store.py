@@ -57,6 +57,38 @@ class KVChunk:
         return cls(keys, values)
 
 
+@dataclass
+class StateRecord:
+    """A recurrent model's per-layer states (linear attention's convolution window and delta-rule
+    state) as they stood at the end of a KV chunk, kept beside it: restoring the chunks up to
+    there restores the sequence only with them."""
+
+    states: dict[int, list[np.ndarray]]  # layer -> its arrays, float32
+
+    def encode(self) -> tuple[bytes, bytes]:
+        arrays = [(layer, np.ascontiguousarray(a, dtype=np.float32))
+                  for layer, group in sorted(self.states.items()) for a in group]
+        data = b"".join(a.tobytes() for _, a in arrays)
+        meta = msgpack.packb({"arrays": [[layer, list(a.shape)] for layer, a in arrays], "bytes": len(data),
+                              "crc": zlib.crc32(data)})
+        return data, meta
+
+    @classmethod
+    def decode(cls, data: bytes, meta: bytes) -> "StateRecord":
+        """ValueError when the record does not match its checksum."""
+        info = msgpack.unpackb(meta)
+        if len(data) != info["bytes"] or zlib.crc32(data) != info["crc"]:
+            raise ValueError("state data does not match its checksum")
+        states: dict[int, list[np.ndarray]] = {}
+        offset = 0
+        for layer, shape in info["arrays"]:
+            count = int(np.prod(shape))
+            states.setdefault(int(layer), []).append(
+                np.frombuffer(data, dtype=np.float32, count=count, offset=offset).reshape(shape).copy())
+            offset += count * 4
+        return cls(states)
+
+
 class KVStore(Protocol):
     def present(self, keys: list[str]) -> int:
         """How many of ``keys``, from the first on, are stored (stops at the first miss)."""

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 
 from kvstore.chunks import chunk_keys
-from kvstore.store import KVChunk, KVStore
+from kvstore.store import KVChunk, KVStore, StateRecord
 from worker import metrics
 from worker.engine.kv_cache import KVCache
 
@@ -41,7 +41,7 @@ class KVSpiller:
         self._pending_bytes = 0
         self._in_flight: set[str] = set()  # queued, not yet written: not queued again
         self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[str, KVChunk] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, KVChunk | StateRecord] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._writer, name="kv-spill", daemon=True)
         self._thread.start()
 
@@ -54,13 +54,20 @@ class KVSpiller:
     def restore(self, cache: KVCache, prompt: list[int], resident: int) -> int:
         """Extend the cache's valid prefix of ``prompt`` from the store; returns its new length.
 
-        At least one prompt token is always left to compute (its logits start the reply).
+        At least one prompt token is always left to compute (its logits start the reply). A
+        cache with recurrent state is restored only into an empty one, and only as far as a
+        chunk whose states the store holds too.
         """
         usable = self.keys_for(prompt[:len(prompt) - 1])
         first = resident // self.chunk_tokens  # the chunk holding the first position to fill
         if len(usable) <= first:
             return resident
         available = self.store.present(usable)
+        states = None
+        if not cache.rewindable:
+            if resident:
+                return resident  # the slot's state is the one to continue
+            available, states = self._last_state(usable[:available])
         length = resident
         k_shape, v_shape = cache.chunk_shapes(self.chunk_tokens)
         for index in range(first, available):
@@ -79,9 +86,32 @@ class KVSpiller:
             self.stats.chunks_restored += 1
             metrics.KV_CHUNKS.labels("restored").inc()
             metrics.KV_BYTES.labels("restored").inc(chunk.keys.nbytes + chunk.values.nbytes)
+        if states is not None:
+            if length != available * self.chunk_tokens:  # a chunk went missing on the way
+                cache.truncate(0)
+                return 0
+            cache.recurrent = states.states
         # asked for and not restored: absent from the store, or unusable
         metrics.KV_CHUNKS.labels("missed").inc(len(usable) - max(first, length // self.chunk_tokens))
         return length
+
+    @staticmethod
+    def state_key(chunk_key: str) -> str:
+        """Where the recurrent states at the end of a chunk are kept."""
+        return chunk_key + "-state"
+
+    def _last_state(self, present: list[str]) -> tuple[int, StateRecord | None]:
+        """The most of these consecutive chunks whose end's states the store holds, and those."""
+        for count in range(len(present), 0, -1):
+            record = self.store.get(self.state_key(present[count - 1]))
+            if record is None:
+                continue
+            try:
+                return count, StateRecord.decode(*record)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("kvstore states %s are unusable (%s); dropping them", present[count - 1], exc)
+                self.store.delete(self.state_key(present[count - 1]))
+        return 0, None
 
     # --- spill (engine thread copies, writer thread stores) ----------------------------------
 
@@ -92,6 +122,10 @@ class KVSpiller:
         have = self.store.present(keys)
         queued = 0
         for index in range(have, len(keys)):
+            # a recurrent cache's states at the chunk's end go first: restoring looks for them
+            end = (index + 1) * self.chunk_tokens
+            if end in cache.snapshots:
+                self._queue_record(self.state_key(keys[index]), StateRecord(cache.snapshots.pop(end)))
             size = self.chunk_tokens * cache.bytes_per_token
             with self._lock:
                 if keys[index] in self._in_flight:
@@ -105,7 +139,17 @@ class KVSpiller:
             k, v = cache.export(index * self.chunk_tokens, self.chunk_tokens)
             self._queue.put((keys[index], KVChunk(k, v)))
             queued += 1
+        for end in [at for at in cache.snapshots if at <= have * self.chunk_tokens]:
+            del cache.snapshots[end]  # their chunks were in the store already
         return queued
+
+    def _queue_record(self, key: str, record: StateRecord) -> None:
+        """Queue a small record for the writer (not counted against the pending budget)."""
+        with self._lock:
+            if key in self._in_flight:
+                return
+            self._in_flight.add(key)
+        self._queue.put((key, record))
 
     def _writer(self) -> None:
         while True:
@@ -113,14 +157,16 @@ class KVSpiller:
             if item is None:
                 return
             key, chunk = item
+            size = chunk.keys.nbytes + chunk.values.nbytes if isinstance(chunk, KVChunk) else 0
             try:
                 self.store.put(key, *chunk.encode())
-                self.stats.chunks_written += 1
-                metrics.KV_CHUNKS.labels("written").inc()
-                metrics.KV_BYTES.labels("spilled").inc(chunk.keys.nbytes + chunk.values.nbytes)
+                if size:
+                    self.stats.chunks_written += 1
+                    metrics.KV_CHUNKS.labels("written").inc()
+                    metrics.KV_BYTES.labels("spilled").inc(size)
             finally:
                 with self._lock:
-                    self._pending_bytes -= chunk.keys.nbytes + chunk.values.nbytes
+                    self._pending_bytes -= size
                     self._in_flight.discard(key)
                 self._queue.task_done()
 

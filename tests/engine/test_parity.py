@@ -108,7 +108,7 @@ def test_tiny_model_logits_match_llama_cpp(name, kv_type, tmp_path):
 
 
 # The families transformers has too: a second reference, written apart from llama.cpp
-# (scripts/regen_transformers_fixtures.py); for qwen35 the only one so far. It computes GELU
+# (scripts/regen_transformers_fixtures.py). It computes GELU
 # exactly, so no table slack: measured 8e-6 (gemma3), 2.3e-5 (gemma4), 1.2e-5 (gemma4_e),
 # 2.5e-5 (qwen35; 3.0e-4 with an f16 cache), 2.7e-4 (qwen35moe) max |Δlogit| with an f32 cache.
 TRANSFORMERS_FIXTURES = ("gemma3", "gemma4", "gemma4_e", "qwen35", "qwen35moe")

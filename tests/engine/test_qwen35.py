@@ -1,7 +1,7 @@
 """qwen35's recurrent state in the KV cache: a cache holds its whole length or nothing, a
-conversation's next turn continues the state it left (the same tokens as a cold run), and what
-the state cannot do yet (spill, cartridges) is refused plainly. Its logits against transformers
-are in test_parity.py."""
+conversation's next turn continues the state it left in its slot or restores it from the
+kvstore (the same tokens as a cold run), and a cartridge, which holds no state, is refused
+plainly. Its logits against llama.cpp and transformers are in test_parity.py."""
 
 from __future__ import annotations
 
@@ -90,17 +90,53 @@ def test_a_second_turn_reuses_the_slot_and_says_what_a_cold_run_says(engine):
     assert _run(cold, cold_box, "cold-other", TURN[:20] + [3, 4])[0] == other
 
 
-def test_spill_and_cartridges_are_refused_plainly(engine, tmp_path):
+def test_cartridges_are_refused_plainly(engine, tmp_path):
     cache, tokens = from_document(engine, "A short document for the cartridge.", 8)
     write(tmp_path / "doc.safetensors", engine, cache, tokens, "test")
     with pytest.raises(ModelLoadError, match="recurrent state"):
         Cartridge.load(tmp_path / "doc.safetensors", engine)
 
 
-def test_a_worker_serves_it_with_its_kvstore_off(engine, tmp_path, start_worker, start_gateway):
+def test_a_second_turn_is_restored_from_redis_and_says_what_a_cold_run_says(engine, start_redis):
+    """The states at every chunk's end go to the kvstore beside the chunk's KV (prefill steps
+    stop at chunk ends, a reply's steps pass them one by one); another scheduler, with empty
+    slots, restores the second turn from Redis as far as the last chunk with its states."""
+    import redis as redis_client
+
+    from kvstore.store import RedisStore
+    from worker.kv_spill import KVSpiller
+
+    server = start_redis()
+
+    def scheduler(outbox: list) -> Scheduler:
+        spiller = KVSpiller(RedisStore(server.url), engine.fingerprint, chunk_tokens=16)
+        return Scheduler(engine, SchedulerSettings(ctx=256, prefill_chunk=24), lambda _, m: outbox.append(m),
+                         spiller=spiller)
+
+    first_box: list = []
+    first_worker = scheduler(first_box)
+    first, _ = _run(first_worker, first_box, "turn1", TURN)
+    assert first_worker.spiller.flush()
+    # 30 prompt tokens and 5 of the reply fed back: two whole chunks, each with its states
+    held = redis_client.Redis.from_url(server.url)
+    assert len(held.keys("*-state:data")) == 2 and first_worker.pool.slots[0].cache.snapshots == {}
+    second_prompt = TURN + first + [11, 12, 13]
+    cold_box: list = []
+    cold, _ = _run(Scheduler(engine, SchedulerSettings(ctx=256), lambda _, m: cold_box.append(m)), cold_box, "cold",
+                   second_prompt)
+    second_box: list = []
+    second, finished = _run(scheduler(second_box), second_box, "turn2", second_prompt)
+    assert finished.cached_tokens == 32 and second == cold
+    # chunks whose states are gone are not restored: the KV alone cannot continue the sequence
+    held.delete(*held.keys("*-state:*"))
+    third_box: list = []
+    third, finished = _run(scheduler(third_box), third_box, "turn2-again", second_prompt)
+    assert finished.cached_tokens == 0 and third == cold
+
+
+def test_a_worker_serves_it_with_its_kvstore_on(engine, tmp_path, start_worker, start_gateway):
     worker = start_worker(engine.model.path, "--kv-cache-dir", str(tmp_path / "kv"), "--ctx", "256")
-    assert worker.card().capabilities.kvstore is None
-    assert "kvstore off: qwen35 keeps recurrent state" in worker.log_path.read_text()
+    assert worker.card().capabilities.kvstore.startswith("directory")
     gateway = start_gateway(worker)
     reply = httpx.post(gateway.url + "/v1/completions", timeout=60,
                        json={"model": "m", "prompt": "The lighthouse", "max_tokens": 4})

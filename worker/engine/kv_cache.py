@@ -56,6 +56,10 @@ class KVCache:
         # Recurrent layers' states (linear attention), by layer, after the tokens held; a cache
         # that has them is not rewindable: it holds its whole length or nothing.
         self.recurrent: dict[int, list[np.ndarray]] = {}
+        # With recurrent state: copies of it at every multiple of ``snapshot_every`` positions
+        # reached (0: none taken), kept until the kvstore has them beside their chunk's KV.
+        self.snapshot_every = 0
+        self.snapshots: dict[int, dict[int, list[np.ndarray]]] = {}
         self.rewindable = True
         self.capacity = 0
         self.keys: list[np.ndarray] = []
@@ -115,6 +119,11 @@ class KVCache:
     def commit(self, token_ids: list[int]) -> None:
         self.length += len(token_ids)
         self.tokens.extend(int(t) for t in token_ids)
+        if self.snapshot_every and self.recurrent and self.length % self.snapshot_every == 0:
+            self.snapshots[self.length] = self.copy_recurrent()
+
+    def copy_recurrent(self) -> dict[int, list[np.ndarray]]:
+        return {layer: [state.copy() for state in states] for layer, states in self.recurrent.items()}
 
     def truncate(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens (they stay valid)."""
@@ -123,6 +132,8 @@ class KVCache:
         if length == 0:
             self.recurrent.clear()
         self.length = min(self.length, length)
+        for held in [at for at in self.snapshots if at > self.length]:
+            del self.snapshots[held]
         del self.tokens[self.length:]
 
     def common_prefix(self, token_ids: list[int]) -> int:
@@ -187,7 +198,7 @@ class KVCache:
             raise ValueError("a cache with recurrent state is copied whole or not at all")
         keys, values = other.export(0, count)
         self.restore(0, keys, values, other.tokens[:count])
-        self.recurrent = {layer: [state.copy() for state in states] for layer, states in other.recurrent.items()}
+        self.recurrent = other.copy_recurrent()
 
     @property
     def bytes_per_token(self) -> int:
