@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway import gemma4_calls, lark_regex
+from gateway import gemma4_calls, lark_regex, qwen_xml_calls
 from gateway.neutral import (
     NeutralRequest,
     TextDelta,
@@ -66,6 +66,7 @@ CUSTOM_INPUT = "input"  # the one argument a freeform (custom) tool is called wi
 # How a reply is read back: Hermes blocks, Gemma 4's call blocks, one generic JSON call object,
 # or the whole reply as the input of one freeform tool.
 HERMES, GEMMA4, NANOCHAT, JSON_CALL, RAW_INPUT = "hermes", "gemma4", "nanochat", "json", "input"
+QWEN_XML = "qwen_xml"  # Hermes's tags around <function=…> and <parameter=…> blocks
 CALCULATOR_NAMES = ("python", "calculator")  # nanochat's one tool: the name its calls get by default
 CALCULATOR_ARGUMENT = "code"
 CALCULATOR_CODE_CHARS = 256  # a forced calculator call's code: one line, an expression
@@ -134,7 +135,7 @@ def plan(view: ModelView, request: NeutralRequest) -> ToolPlan:
     if not request.tools or request.tool_choice == "none":
         return ToolPlan([], False, None)
     limit = None if request.parallel_tool_calls else 1
-    form = view.tool_call_format if view.tool_call_format in (GEMMA4, NANOCHAT) else HERMES
+    form = view.tool_call_format if view.tool_call_format in (GEMMA4, NANOCHAT, QWEN_XML) else HERMES
     if form == NANOCHAT:
         name, argument = calculator_call(forced or request.tools)
         syntax = CallSyntax(None, None, False, lambda raw: (name, {argument: raw}) if raw.strip() else None)
@@ -142,14 +143,21 @@ def plan(view: ModelView, request: NeutralRequest) -> ToolPlan:
         if forced is not None:
             grammar = {"kind": "lark", "source": calls_lark(view, request, forced, limit is None)}
         return ToolPlan(request.tools, True, limit, grammar=grammar, call_tags=tags, call_format=form, syntax=syntax)
+    # a tag-style call's values are read by their tools' schemas (a string stays text)
+    syntax = _qwen_xml_syntax(request.tools) if form == QWEN_XML else None
     if forced is not None:
-        return ToolPlan(request.tools, True, limit, call_tags=tags, call_format=form,
+        return ToolPlan(request.tools, True, limit, call_tags=tags, call_format=form, syntax=syntax,
                         grammar={"kind": "lark", "source": calls_lark(view, request, forced, limit is None)})
     if request.grammar is None and any(_binding_in_auto(request, tool["function"]) for tool in request.tools):
-        return ToolPlan(request.tools, True, limit, call_tags=tags, call_format=form,
+        return ToolPlan(request.tools, True, limit, call_tags=tags, call_format=form, syntax=syntax,
                         grammar={"kind": "lark", "source": calls_lark(view, request, request.tools, limit is None,
                                                                       optional=True)})
-    return ToolPlan(request.tools, True, limit, call_tags=tags, call_format=form)
+    return ToolPlan(request.tools, True, limit, call_tags=tags, call_format=form, syntax=syntax)
+
+
+def _qwen_xml_syntax(tools: list[dict[str, Any]]) -> CallSyntax:
+    schemas = {tool["function"]["name"]: tool["function"].get("parameters") for tool in tools}
+    return CallSyntax(None, None, False, lambda raw: qwen_xml_calls.parse_call(raw, schemas))
 
 
 def forces_call(tool_choice: Any) -> bool:
@@ -244,6 +252,10 @@ def calls_lark(view: ModelView, request: NeutralRequest, tools: list[dict[str, A
         calls = "tc*" if parallel else "tc?"
         start = f"start: TEXT {calls}\nTEXT: /(.|\\n)*/" if optional else f"start: tc{'+' if parallel else ''}"
         return f"{start}\ntc: <[{ids[0]}]> CODE <[{ids[1]}]>\nCODE: /[^\\n]{{1,{CALCULATOR_CODE_CHARS}}}/\n"
+    if view.tool_call_format == QWEN_XML:
+        functions = [(tool["function"]["name"], _arguments_schema(request, tool["function"])) for tool in tools]
+        return qwen_xml_calls.lark(functions, tags.open, tags.close, parallel, optional,
+                                   lead=request.grammar_after_reasoning)
     if view.tool_call_format != GEMMA4:
         return hermes_lark(request, tools, tags, parallel, optional)
     ids = [view.tokenizer.piece_to_id(text) for text in (tags.open, tags.close, gemma4_calls.QUOTE)]

@@ -256,6 +256,16 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def write_script(folder: Path, script: dict[str, str]) -> Path:
+    """A ``--scripted-replies`` file: the reply to a prompt holding each marker, and the model's
+    own sampling for any other request."""
+    path = folder / "replies.json"
+    entries: list[Any] = [{"when": marker, "text": text} for marker, text in script.items()]
+    entries.append({"text": "", "then": "sample"})
+    path.write_text(json.dumps(entries), encoding="utf-8")
+    return path
+
+
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -8,10 +8,14 @@ Three conventions are known, each a way of marking reasoning and tool calls in a
 - ``gemma4``: reasoning in a thought channel, ``<|channel>thought`` … ``<channel|>``, and calls
   as ``<|tool_call>call:NAME{key:value,…}<tool_call|>`` with strings quoted by ``<|"|>``;
 - ``nanochat``: no reasoning, and one tool, its calculator: ``<|python_start|>`` code
-  ``<|python_end|>`` (the caller runs it; its template knows no tool declarations).
+  ``<|python_end|>`` (the caller runs it; its template knows no tool declarations);
+- ``qwen_xml`` (Qwen3.5, Qwen3-Coder): Hermes's tags, but a call block holds
+  ``<function=NAME>`` and a ``<parameter=KEY>`` block per argument (``gateway/qwen_xml_calls.py``),
+  and a call that opens ends the reasoning, closed or not.
 
 The vocabulary says which convention a model follows (its marker tokens); the template says
-whether it thinks on request (it knows ``enable_thinking``) and whether it calls tools.
+whether it thinks on request (it knows ``enable_thinking``), whether it calls tools, and, for
+Hermes's tags, whether its calls are JSON or tags (it writes ``<function=`` and ``<parameter=``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ HERMES = Convention("hermes", THINK_TAGS, HERMES_CALL_TAGS, ("<think>", "</think
 GEMMA4 = Convention("gemma4", GEMMA4_THOUGHT_TAGS, GEMMA4_CALL_TAGS, ("<|channel>", "<channel|>"),
                     ("<|tool_call>", "<tool_call|>", GEMMA4_QUOTE))
 NANOCHAT = Convention("nanochat", THINK_TAGS, NANOCHAT_CALL_TAGS, (), (NANOCHAT_CALL_TAGS.open, NANOCHAT_CALL_TAGS.close))
+QWEN_XML = Convention("qwen_xml", THINK_TAGS, HERMES_CALL_TAGS, HERMES.reasoning_tokens, HERMES.call_tokens)
 CONVENTIONS = (GEMMA4, NANOCHAT, HERMES)
 
 
@@ -50,14 +55,17 @@ def _in_vocabulary(tokenizer: Tokenizer, texts: tuple[str, ...]) -> bool:
     return all(tokenizer.piece_to_id(text) is not None for text in texts)
 
 
-def convention(tokenizer: Tokenizer) -> Convention:
+def convention(tokenizer: Tokenizer, template: ChatTemplate | None = None) -> Convention:
     """The convention whose markers the vocabulary holds (Hermes when none's are: its tags are
-    what a reply of a model without markers is searched for, and never found)."""
-    for candidate in CONVENTIONS:
-        if any(markers and _in_vocabulary(tokenizer, markers)
-               for markers in (candidate.reasoning_tokens, candidate.call_tokens)):
-            return candidate
-    return HERMES
+    what a reply of a model without markers is searched for, and never found); Hermes's tags
+    with a template that writes calls as tags are qwen_xml."""
+    found = next((candidate for candidate in CONVENTIONS
+                  if any(markers and _in_vocabulary(tokenizer, markers)
+                         for markers in (candidate.reasoning_tokens, candidate.call_tokens))), HERMES)
+    if found is HERMES and template is not None and "<function=" in template.source \
+            and "<parameter=" in template.source:
+        return QWEN_XML
+    return found
 
 
 def has_reasoning_switch(tokenizer: Tokenizer, template: ChatTemplate | None) -> bool:

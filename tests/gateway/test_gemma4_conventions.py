@@ -17,6 +17,7 @@ import openai
 import pytest
 from gemma4_vocab import gemma4_vocab_metadata
 from test_constrained_output import check_forced_calls
+from conftest import write_script
 from tiny_models import write_tiny_gguf
 
 from gateway import gemma4_calls, tool_calls
@@ -53,10 +54,7 @@ def gemma4_stack(tmp_path_factory, start_worker, start_gateway):
     folder = tmp_path_factory.mktemp("gemma4")
     model = folder / "tiny-gemma4.gguf"
     write_tiny_gguf(model, "gemma4", context_length=4096)
-    script = folder / "replies.json"
-    entries: list[Any] = [{"when": marker, "text": text} for marker, text in SCRIPT.items()]
-    entries.append({"text": "", "then": "sample"})  # anything else: the model's own choice
-    script.write_text(json.dumps(entries), encoding="utf-8")
+    script = write_script(folder, SCRIPT)
     worker = start_worker(model, "--scripted-replies", str(script), "--batch", "2", "--ctx", "4096")
     return start_gateway(worker), worker
 

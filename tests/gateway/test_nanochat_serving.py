@@ -14,6 +14,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from conftest import write_script
 from tiny_nanochat import write_tiny_nanochat
 
 from gateway import tool_calls
@@ -35,10 +36,7 @@ def nanochat_stack(tmp_path_factory, start_worker, start_gateway):
     folder = tmp_path_factory.mktemp("nanochat")
     checkpoint = folder / "checkpoint"
     write_tiny_nanochat(checkpoint, "native")
-    script = folder / "replies.json"
-    entries: list[Any] = [{"when": marker, "text": text} for marker, text in SCRIPT.items()]
-    entries.append({"text": "", "then": "sample"})
-    script.write_text(json.dumps(entries), encoding="utf-8")
+    script = write_script(folder, SCRIPT)
     # the directory as the model and through --nanochat, which may name it again
     worker = start_worker(checkpoint, "--nanochat", str(checkpoint), "--scripted-replies", str(script),
                           "--ctx", "256")
