@@ -136,6 +136,9 @@ def test_bad_fleets_fail_at_start_with_the_reason(fleet_dir, tmp_path):
     many = run_cli("worker", model, "--fleet", str(fleet_dir / "fleet"), "--rag-docs", "4",
                    "--worker", "tcp://127.0.0.1:1")
     assert many.returncode == 2 and "more cartridges than the fleet's 3 documents" in many.stderr
+    tight = run_cli("worker", model, "--fleet", str(fleet_dir / "fleet"), "--rag-docs", "2", "--ctx", "16",
+                    "--worker", "tcp://127.0.0.1:1")
+    assert tight.returncode == 2 and "take 16 positions, which leaves no room" in tight.stderr
     write_tiny_gguf(tmp_path / "qwen3.gguf", "qwen3", context_length=512)
     other = run_cli("worker", str(tmp_path / "qwen3.gguf"), "--fleet", str(fleet_dir / "fleet"),
                     "--worker", "tcp://127.0.0.1:1")
