@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.errors import ModelLoadError
+from worker import metrics
 from worker.cartridge import Cartridge, compose, model_identity
 from worker.engine import Engine
 from worker.engine.checkpoint import SafetensorsFile, floats, write_safetensors
@@ -165,16 +166,20 @@ class Fleet:
         when ``adaptive`` and an outside document out-scores the weakest chosen one by the
         margin) the best ``docs`` for this query."""
         kept = self.recall(conversation) if conversation else None
-        if kept and not self.retrieval.adaptive:
+        if kept and (not self.retrieval.adaptive or not query):
+            metrics.FLEET_CHOICES.labels("kept").inc()
             return kept
-        if not query:
-            return kept or self.names[:self.retrieval.docs]
+        if not query:  # nothing to go by (an empty message): the first documents
+            metrics.FLEET_CHOICES.labels("new").inc()
+            return self.names[:self.retrieval.docs]
         scores = self.scores(query)
         best = sorted(self.names, key=lambda n: -scores[n])[:self.retrieval.docs]
         if kept:
             outside = [scores[n] for n in self.names if n not in kept]
             if not outside or max(outside) <= min(scores[n] for n in kept) + self.retrieval.margin:
+                metrics.FLEET_CHOICES.labels("kept").inc()
                 return kept
+        metrics.FLEET_CHOICES.labels("switched" if kept else "new").inc()
         if conversation:
             self.remember(conversation, best)
         return best

@@ -2,7 +2,7 @@
 
 The scheduler's state as gauges read at scrape time (requests waiting, streams running, KV slots
 holding a cache), each decode step's time and batch size, the KV store's traffic (chunks
-restored, written, missed, dropped, and their bytes) and grammar compile times. One worker is
+restored, written, missed, dropped, and their bytes), a fleet's choices and grammar compile times. One worker is
 one process, so the library's default registry holds them.
 """
 
@@ -31,6 +31,8 @@ KV_CHUNKS = Counter("lmserve_worker_kvstore_chunks", "KV store chunks by event: 
                     "(asked for, not restored: absent or unusable), written (spilled), dropped (the write "
                     "queue was full)", ["event"])
 KV_BYTES = Counter("lmserve_worker_kvstore_bytes", "KV bytes moved to and from the KV store", ["direction"])
+FLEET_CHOICES = Counter("lmserve_worker_fleet_choices", "A fleet's choices of a conversation's cartridges: new (a "
+                        "conversation not seen before), kept (a later turn), switched (--rag-adaptive)", ["how"])
 GRAMMAR_COMPILE = Histogram("lmserve_worker_grammar_compile_seconds", "Compiling a request's grammar",
                             buckets=COMPILE_BUCKETS)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.errors import InvalidRequestError
+from shared.errors import InvalidRequestError, LmserveError
 from shared.prefix_digest import prefix_digests
 from shared.protocol import (
     Accepted,
@@ -111,6 +111,7 @@ class Stream:
     # with prompt_logprobs: each prompt token's [logprob, alternatives] so far (None: not asked)
     scores: list[list[Any]] | None = None
     cartridge: Cartridge | None = None  # the KV prefix it is served behind
+    retrieve: bool = False  # a fleet chooses its cartridge before it is queued
 
     @property
     def prefix(self) -> int:
@@ -135,6 +136,7 @@ class Scheduler:
         self.pool = SlotPool(engine.model, settings.slot_count, settings.ctx)
         self.lock = threading.Lock()
         self.compositions: dict[tuple[str, ...], Cartridge] = {}  # cartridges composed for requests
+        self.retrieving: deque[tuple[bytes, Stream]] = deque()  # streams a fleet chooses for
         self.wakeup = threading.Event()
         self.waiting: deque[Stream] = deque()
         self.running: list[Stream] = []
@@ -163,6 +165,15 @@ class Scheduler:
             future = self.grammar.compile_matcher(request.grammar)
             future.add_done_callback(lambda done: self._on_compiled(gateway, stream, done))
             return
+        self._route(gateway, stream)
+
+    def _route(self, gateway: bytes, stream: Stream) -> None:
+        """Queue a valid stream; one whose cartridges a fleet chooses goes to the engine thread
+        first, which embeds its message (a forward pass belongs on that thread)."""
+        if stream.retrieve:
+            self.retrieving.append((gateway, stream))
+            self.wakeup.set()
+            return
         self._enqueue(gateway, stream)
 
     def _on_compiled(self, gateway: bytes, stream: Stream, future) -> None:
@@ -184,7 +195,7 @@ class Scheduler:
                 self.send(gateway, Rejected(rid, 400, InvalidRequestError.kind, f"the grammar could not be compiled: {exc}"))
                 continue
             stream.grammar_active = not stream.request.grammar_after_reasoning
-            self._enqueue(gateway, stream)
+            self._route(gateway, stream)
 
     def _enqueue(self, gateway: bytes, stream: Stream) -> None:
         rid = stream.request.request_id
@@ -270,14 +281,16 @@ class Scheduler:
         if request.max_tokens < (0 if request.prompt_logprobs >= 0 else 1):
             raise InvalidRequestError("max_tokens must be at least 1")
         cartridge = self._cartridge_of(request)
-        prefix = cartridge.tokens if cartridge is not None else 0
+        retrieve = cartridge is None and not request.cartridge_ids and self.settings.fleet is not None
+        # a fleet's choice is made later, on the engine thread: its largest is what must fit
+        prefix = cartridge.tokens if cartridge is not None else self.settings.prefix if retrieve else 0
         room = self.settings.ctx - prefix
         if len(prompt) >= room:
             held = f", {prefix} of them the cartridge's" if prefix else ""
             raise InvalidRequestError(
                 f"prompt is too long: {len(prompt)} tokens > {room - 1} maximum "
                 f"(the context budget --ctx is {self.settings.ctx} tokens{held}, prompt and completion together)")
-        if cartridge is not None and request.prompt_logprobs >= 0:
+        if (cartridge is not None or retrieve) and request.prompt_logprobs >= 0:
             raise InvalidRequestError("a prompt is not scored behind a cartridge (prompt_logprobs)")
         if request.grammar is not None and self.grammar is None:
             raise InvalidRequestError("constrained decoding (grammar) is not available in this worker")
@@ -286,11 +299,12 @@ class Scheduler:
         script = self.settings.scripted_replies
         sampler = script.sampler(params, prompt) if script is not None else Sampler(params, prompt)
         return Stream(gateway, request, params, sampler, stop_ids,
-                      scores=[[None, []]] if request.prompt_logprobs >= 0 else None, cartridge=cartridge)
+                      scores=[[None, []]] if request.prompt_logprobs >= 0 else None, cartridge=cartridge,
+                      retrieve=retrieve)
 
     def _cartridge_of(self, request: Generate) -> Cartridge | None:
-        """The cartridges a request names (by name or id), composed in its order, else a fleet's
-        choice for its conversation, else the default one."""
+        """The cartridges a request names (by name or id), composed in its order, else the
+        default one; None too where a fleet will choose (its query checked here)."""
         fleet = self.settings.fleet
         if not request.cartridge_ids and fleet is not None:
             query = request.query
@@ -298,7 +312,7 @@ class Scheduler:
                 raise InvalidRequestError(f"query must be token ids in 0..{fleet.vocab - 1}")
             if request.conversation is not None and not isinstance(request.conversation, str):
                 raise InvalidRequestError("conversation must be a string")
-            return self.composed([fleet.cartridges[n] for n in fleet.choose(request.conversation, query)])
+            return None  # chosen on the engine thread (choose_cartridges)
         if not request.cartridge_ids:
             return self.settings.cartridge
         available = self.settings.cartridges
@@ -332,12 +346,30 @@ class Scheduler:
     def run(self) -> None:
         kernels.set_threads(self.settings.threads)  # numba's thread count is per calling thread
         while not self.stopping:
+            self.choose_cartridges()
             self.admit()
             if not self.running:
                 self.wakeup.wait(0.05)
                 self.wakeup.clear()
                 continue
             self.step()
+
+    def choose_cartridges(self) -> None:
+        """Engine thread: the fleet's choice for each stream waiting on one, then its queueing."""
+        fleet = self.settings.fleet
+        while self.retrieving:
+            gateway, stream = self.retrieving.popleft()
+            request = stream.request
+            try:
+                names = fleet.choose(request.conversation, request.query)
+                stream.cartridge = self.composed([fleet.cartridges[n] for n in names])
+            except Exception as exc:
+                log.exception("choosing the cartridges of %s failed", request.request_id)
+                self.send(gateway, Rejected(request.request_id, 500, LmserveError.kind,
+                                            f"the fleet could not choose this conversation's cartridges: {exc}"))
+                continue
+            stream.retrieve = False
+            self._enqueue(gateway, stream)
 
     def admit(self) -> None:
         """Move waiting streams into free batch places, each onto the KV slot that holds most of

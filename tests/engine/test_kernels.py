@@ -228,3 +228,29 @@ def test_the_kernel_cache_is_one_directory_per_version_of_every_kernel_source(tm
     expected_base = os.environ.get("NUMBA_CACHE_DIR") or str(cache_dir() / "kernels")
     assert numba.config.CACHE_DIR.startswith(expected_base + os.sep)
     assert fused.dense_block.stats.cache_path.startswith(numba.config.CACHE_DIR)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no compiled kernels on this CPU")
+def test_the_delta_rule_kernel_matches_the_recurrence_written_out():
+    """Gated DeltaNet's recurrence, token by token per head in float64 (decay, read, the
+    correction β(v − read) written into the state, the output read with q), against the kernel."""
+    from worker.engine.kernels.recurrent import gated_delta_rule
+
+    rng = np.random.default_rng(7)
+    steps, heads, key_size, value_size = 5, 3, 8, 16
+    state = rng.standard_normal((heads, key_size, value_size)).astype(np.float32)
+    q, k = (rng.standard_normal((steps, heads, key_size)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((steps, heads, value_size)).astype(np.float32)
+    decay, beta = (rng.uniform(0.5, 1.0, (steps, heads)).astype(np.float32) for _ in range(2))
+    expected_state = state.astype(np.float64)
+    expected = np.zeros((steps, heads, value_size))
+    for t in range(steps):
+        for h in range(heads):
+            s = expected_state[h] * decay[t, h]
+            read = s.T @ k[t, h]
+            s = s + np.outer(k[t, h], beta[t, h] * (v[t, h] - read))
+            expected[t, h] = s.T @ q[t, h]
+            expected_state[h] = s
+    out = gated_delta_rule(state, q, k, v, decay, beta, np.empty((steps, heads, value_size), np.float32))
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(state, expected_state, rtol=1e-4, atol=1e-4)

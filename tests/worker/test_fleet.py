@@ -76,6 +76,12 @@ def test_a_message_retrieves_its_document(fleet_dir):
 def test_the_choice_is_kept_per_conversation_and_shared_through_redis(fleet_dir, start_redis):
     from kvstore.store import RedisStore
 
+    from prometheus_client import REGISTRY
+
+    def counted(how: str) -> float:
+        return REGISTRY.get_sample_value("lmserve_worker_fleet_choices_total", {"how": how}) or 0.0
+
+    before = {how: counted(how) for how in ("new", "kept", "switched")}
     engine = Engine.load(fleet_dir / "llama.gguf")
     redis = start_redis()
     one = Fleet.load(fleet_dir / "fleet", engine, Retrieval(), RedisStore(redis.url))
@@ -91,6 +97,7 @@ def test_the_choice_is_kept_per_conversation_and_shared_through_redis(fleet_dir,
     switches = Fleet.load(fleet_dir / "fleet", engine, Retrieval(adaptive=True, margin=0.05), RedisStore(redis.url))
     assert switches.choose("c1", chunk_of(engine, "mill")) == ["mill"]
     assert one.choose("c1", []) == ["mill"]  # the switch is what every worker now keeps
+    assert {how: counted(how) - before[how] for how in before} == {"new": 2, "kept": 3, "switched": 1}
     # without a kvstore the choices are this process's
     alone = Fleet.load(fleet_dir / "fleet", engine, Retrieval())
     assert alone.choose("c1", chunk_of(engine, "lighthouse")) == ["lighthouse"]
@@ -145,3 +152,24 @@ def test_bad_fleets_fail_at_start_with_the_reason(fleet_dir, tmp_path):
     assert other.returncode == 2 and "made with another model" in other.stderr
     no_docs = run_cli("cartridge", "fleet", str(tmp_path / "empty"), "--out", str(tmp_path / "f"), "--model", model)
     assert no_docs.returncode != 0 and "holds no documents" in no_docs.stderr
+
+
+def test_the_choice_is_made_on_the_engine_thread_before_the_request_is_queued(fleet_dir):
+    """Submitting (the IO thread) only checks the request: embedding the message is a forward
+    pass, which runs where every other one runs, so the answer waits for choose_cartridges."""
+    from shared.protocol import Accepted, Generate, Rejected
+    from shared.sampling_params import SamplingParams
+    from worker.scheduler import Scheduler, SchedulerSettings
+
+    engine = Engine.load(fleet_dir / "llama.gguf")
+    fleet = Fleet.load(fleet_dir / "fleet", engine, Retrieval())
+    outbox: list = []
+    scheduler = Scheduler(engine, SchedulerSettings(ctx=128, fleet=fleet), lambda _, m: outbox.append(m))
+    ask = Generate("r1", [5, 6, 7], SamplingParams(temperature=0.0), 2, conversation="c9",
+                   query=chunk_of(engine, "orchard"))
+    scheduler.submit(b"gw", ask)
+    assert outbox == [] and len(scheduler.retrieving) == 1
+    scheduler.choose_cartridges()
+    assert [type(m) for m in outbox] == [Accepted] and outbox[0].cartridges == ["orchard"]
+    scheduler.submit(b"gw", Generate("r2", [5], SamplingParams(), 2, query=[10**9]))
+    assert isinstance(outbox[-1], Rejected) and "query must be token ids" in outbox[-1].message

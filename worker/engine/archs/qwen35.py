@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from shared.errors import ModelLoadError
-from worker.engine import ops
+from worker.engine import kernels, ops
+from worker.engine.kernels import recurrent
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kv_cache import KVCache
 from worker.engine.model import (
@@ -186,6 +187,11 @@ class Qwen35Model(DecoderModel):
         q, k = np.tile(q, (1, tiles, 1)), np.tile(k, (1, tiles, 1))
         decay = np.exp(g)
         out = np.empty((t, la.value_heads, la.value_dim), dtype=np.float32)
+        if kernels.available():
+            f32 = np.float32
+            return recurrent.gated_delta_rule(state, np.ascontiguousarray(q, f32), np.ascontiguousarray(k, f32),
+                                              np.ascontiguousarray(v, f32), np.ascontiguousarray(decay, f32),
+                                              np.ascontiguousarray(beta, f32), out)
         for step in range(t):
             state *= decay[step][:, None, None]
             read = np.einsum("hkv,hk->hv", state, k[step])
