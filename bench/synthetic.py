@@ -1,7 +1,7 @@
 """GGUF files of real models' shapes with random weights, and what loading them costs.
 
     python -m bench.synthetic moe [--arch qwen3moe|gemma4] [--out DIR] [--steps 100]
-    python -m bench.synthetic write SHAPE [--type Q8_0|Q4_K|Q2_0] [--out DIR]
+    python -m bench.synthetic write SHAPE [--type Q8_0|Q4_K|Q2_0|Q2_0_64] [--out DIR]
 
 ``moe`` writes a MoE file of more than 4 GB, loads it in a fresh process and prints the
 process's resident memory after the load and after each of a few batches of decode steps,
@@ -16,7 +16,7 @@ beside 128 experts of 704, 8 routed, gate and up fused) cut to 10 layers.
 16 key heads tiled over 48 value heads of 128, attention layers of 24 heads × 256 over 4 KV heads
 with a quarter of each head rotated, FFN 17408, vocabulary 248320, untied) cut to 4 layers
 (3 linear, 1 full); with ``--type Q2_0`` its matrices are PrismML's 128-value Q2_0 blocks, the
-embedding Q8_0.
+embedding Q8_0; with ``--type Q2_0_64``, ggml's 64-value blocks, which llama.cpp reads too.
 
 Weights are random block bytes from a fixed seed, with every block's f16 scales set to small
 finite values so that activations stay finite; the text they produce means nothing, their
@@ -107,10 +107,11 @@ SHAPES = {
     "bonsai-27b-cut": Shape("qwen35", 4, 5120, 24, 4, 256, 17408, 248320, context=262144,
                             linear=(4, 16, 128, 48, 128), interval=4, rope_dims=64, untied=True),
 }
-# PrismML's Q2_0 (type 42, which the gguf package does not know): 128 values in 34 bytes, an f16
-# scale first; written as raw bytes and given its type in the header afterwards
-Q2_0 = "Q2_0"
-BLOCKS = {**GGML_QUANT_SIZES, Q2_0: (128, 34)}
+# Q2_0 (type 42, which the gguf package does not know), an f16 scale first in each block: PrismML's
+# 128 values in 34 bytes, or ggml's own 64 in 18 (the one llama.cpp reads); written as raw bytes
+# and given its type in the header afterwards
+Q2_0, Q2_0_64 = "Q2_0", "Q2_0_64"
+BLOCKS = {**GGML_QUANT_SIZES, Q2_0: (128, 34), Q2_0_64: (64, 18)}
 # optional tensors a gemma4 file of this shape has, as the 26B's converter writes them
 GEMMA4_WRITTEN = frozenset({"ffn_gate_up_exps.weight", "ffn_down_exps.scale", "layer_output_scale.weight"})
 
@@ -215,14 +216,14 @@ def write(shape: Shape, qtype: GGMLQuantizationType | str, path: Path, seed: int
         nbytes = int(np.prod(dims[:-1])) * dims[-1] // block * size
         byte_dims = (*dims[:-1], dims[-1] // block * size) if kind != Q.F32 else dims
         writer.add_tensor_info(name, byte_dims, np.dtype(np.uint8 if kind != Q.F32 else np.float32), nbytes,
-                               raw_dtype=Q.I8 if kind == Q2_0 else kind)
+                               raw_dtype=Q.I8 if kind in (Q2_0, Q2_0_64) else kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, dims, kind in plan:
         writer.write_tensor_data(_data(name, dims, kind, rng))
     writer.close()
-    q2_0_rows = {name: dims[-1] for name, dims, kind in plan if kind == Q2_0}
+    q2_0_rows = {name: dims[-1] for name, dims, kind in plan if kind in (Q2_0, Q2_0_64)}
     if q2_0_rows:
         set_q2_0_types(partial, q2_0_rows)
     partial.rename(path)
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the probe in a memory cgroup of this size (root; below the file's size)")
     w = sub.add_parser("write", help="write a file of a named shape")
     w.add_argument("shape", choices=sorted(SHAPES))
-    w.add_argument("--type", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_K", "Q6_K", Q2_0])
+    w.add_argument("--type", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_K", "Q6_K", Q2_0, Q2_0_64])
     w.add_argument("--out", default=os.environ.get("TMPDIR", "/tmp"))
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -332,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "moe":
         return moe(out, args.steps, args.arch, args.memory_cap)
     started = time.perf_counter()
-    qtype = Q2_0 if args.type == Q2_0 else Q[args.type]
+    qtype = args.type if args.type in (Q2_0, Q2_0_64) else Q[args.type]
     path = write(SHAPES[args.shape], qtype, out / f"{args.shape}-synthetic-{args.type}.gguf")
     print(f"{path} ({path.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - started:.0f} s")
     return 0
