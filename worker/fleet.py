@@ -12,7 +12,8 @@ chunks nearest to it by cosine similarity are scanned, a document scores its bes
 them, and the ``--rag-docs`` best documents' cartridges compose as the conversation's prefix
 (best first). The choice is kept per conversation (in the kvstore when there is one, so every
 worker sees it): later turns keep it, unless ``--rag-adaptive`` is on and a document outside it
-out-scores the weakest chosen one by ``--rag-margin``.
+out-scores the weakest chosen one by ``--rag-margin``. The index goes into the kvstore too, keyed
+by the fleet's cartridges, so a worker given the cartridges alone reads it from there.
 """
 
 from __future__ import annotations
@@ -79,6 +80,62 @@ def build_index(engine: Engine, documents: dict[str, str], out: Path, chunk_toke
     return len(owners)
 
 
+def index_key(cartridges) -> str:
+    """Where the kvstore keeps the index of a fleet of these cartridges (by their content)."""
+    return "fleet-index:" + hashlib.sha256("|".join(c.cartridge_id for c in cartridges).encode()).hexdigest()[:32]
+
+
+@dataclass
+class FleetIndex:
+    """A fleet's index: its documents, each chunk's document and embedding, and their mean."""
+
+    names: list[str]
+    owners: np.ndarray  # [chunks]: the document of each chunk
+    embeddings: np.ndarray  # [chunks, n_embd], centred and of unit length
+    mean: np.ndarray  # [n_embd]: what was subtracted
+    model: dict  # model_identity of the model that made it
+    where: str  # where it was read, for messages
+
+    @classmethod
+    def from_file(cls, path: Path) -> FleetIndex:
+        file = SafetensorsFile(path)
+        meta = file.metadata
+        if meta.get("format") != INDEX_FORMAT:
+            raise ModelLoadError(f"{path} is not a fleet index (no format {INDEX_FORMAT!r} in its metadata)")
+        embeddings, mean = (floats(dtype, raw, shape) for dtype, shape, raw in map(file.raw, ("embeddings", "mean")))
+        return cls(json.loads(meta["documents"]), np.asarray(json.loads(meta["chunk_documents"]), dtype=np.int64),
+                   embeddings, mean, json.loads(meta.get("model", "{}")), str(path))
+
+    def check(self, engine: Engine) -> None:
+        """ModelLoadError unless the engine's model made it."""
+        if self.model != model_identity(engine):
+            raise ModelLoadError(f"{self.where} was made with another model ({self.model.get('architecture')}, "
+                                 f"weights {self.model.get('weights')}): a fleet serves only the model it was made from")
+        if self.embeddings.shape != (len(self.owners), engine.model.hp.n_embd):
+            raise ModelLoadError(f"{self.where}: embeddings are {list(self.embeddings.shape)}, not "
+                                 f"[{len(self.owners)}, {engine.model.hp.n_embd}]")
+
+    def to_record(self) -> tuple[bytes, bytes]:
+        """(data, metadata) for the kvstore."""
+        data = np.ascontiguousarray(self.embeddings, np.float32).tobytes() + self.mean.astype(np.float32).tobytes()
+        meta = json.dumps({"format": INDEX_FORMAT, "documents": self.names, "chunk_documents": self.owners.tolist(),
+                           "model": self.model, "width": int(self.mean.shape[0])}).encode()
+        return data, meta
+
+    @classmethod
+    def from_record(cls, data: bytes, meta: bytes, where: str) -> FleetIndex:
+        try:
+            info = json.loads(meta)
+            width, owners = int(info["width"]), np.asarray(info["chunk_documents"], dtype=np.int64)
+            values = np.frombuffer(data, dtype=np.float32)
+            if info["format"] != INDEX_FORMAT or values.size != (len(owners) + 1) * width:
+                raise ValueError("its size does not match its description")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{where} is unusable ({exc})") from exc
+        return cls(info["documents"], owners, values[:-width].reshape(len(owners), width), values[-width:].copy(),
+                   info["model"], where)
+
+
 @dataclass(frozen=True)
 class Retrieval:
     """The knobs: cartridges per conversation, chunks scanned, whether later turns may switch."""
@@ -100,43 +157,48 @@ class Fleet:
         self.retrieval = retrieval
         self.vocab = engine.model.hp.n_vocab
         self.store = store  # a kvstore (get/put): where choices are shared; None: this process only
-        self.fleet_id = hashlib.sha256("|".join(c.cartridge_id for c in cartridges.values()).encode()).hexdigest()[:16]
+        self.fleet_id = index_key(cartridges.values())
         self.lock = threading.Lock()
         self.local: OrderedDict[str, list[str]] = OrderedDict()
 
     @classmethod
     def load(cls, folder: str | os.PathLike, engine: Engine, retrieval: Retrieval, store=None) -> Fleet:
+        """The fleet in ``folder``: its cartridges, and its index from ``index.safetensors`` (then
+        put in the kvstore, where it is kept beside the choices) or, where the folder holds none,
+        from the kvstore, found by its cartridges."""
         folder = Path(folder)
         if not folder.is_dir():
             raise ModelLoadError(f"fleet directory not found: {folder}")
         index_path = folder / INDEX_FILE
-        if not index_path.is_file():
-            raise ModelLoadError(f"{folder} holds no {INDEX_FILE}: make a fleet with "
-                                 f"'lmserve cartridge fleet DOCS_DIR --out {folder}'")
-        index = SafetensorsFile(index_path)
-        meta = index.metadata
-        if meta.get("format") != INDEX_FORMAT:
-            raise ModelLoadError(f"{index_path} is not a fleet index (no format {INDEX_FORMAT!r} in its metadata)")
-        made_for = json.loads(meta.get("model", "{}"))
-        if made_for != model_identity(engine):
-            raise ModelLoadError(f"{index_path} was made with another model ({made_for.get('architecture')}, "
-                                 f"weights {made_for.get('weights')}): a fleet serves only the model it was made from")
-        names = json.loads(meta["documents"])
-        owners = np.asarray(json.loads(meta["chunk_documents"]), dtype=np.int64)
-        embeddings, mean = (floats(dtype, raw, shape) for dtype, shape, raw in map(index.raw, ("embeddings", "mean")))
-        if embeddings.shape != (len(owners), engine.model.hp.n_embd):
-            raise ModelLoadError(f"{index_path}: embeddings are {list(embeddings.shape)}, not "
-                                 f"[{len(owners)}, {engine.model.hp.n_embd}]")
+        if index_path.is_file():
+            index = FleetIndex.from_file(index_path)
+            index.check(engine)  # before the cartridges: the index names the model that made them
+            names = index.names
+        else:
+            names = sorted(p.stem for p in folder.glob("*.safetensors"))
+            index = None
         cartridges = {}
         for name in names:
             path = folder / f"{name}.safetensors"
             if not path.is_file():
                 raise ModelLoadError(f"{folder}: the index names {name}, whose cartridge {path.name} is missing")
             cartridges[name] = Cartridge.load(path, engine)
+        key = index_key(cartridges.values())
+        if index is None:
+            record = store.get(key) if store is not None and cartridges else None
+            if record is None:
+                raise ModelLoadError(f"{folder} holds no {INDEX_FILE}, and no kvstore holds one for its cartridges: "
+                                     f"make a fleet with 'lmserve cartridge fleet DOCS_DIR --out {folder}'")
+            index = FleetIndex.from_record(*record, where=f"the kvstore's index of {folder}")
+            if index.names != names:
+                raise ModelLoadError(f"the kvstore's index of {folder} names {index.names}, not its cartridges {names}")
+        elif store is not None and store.get(key) is None:
+            store.put(key, *index.to_record())
+        index.check(engine)
         if retrieval.docs > len(names):
             raise ModelLoadError(f"--rag-docs {retrieval.docs} asks for more cartridges than the fleet's "
                                  f"{len(names)} documents")
-        return cls(folder, engine, cartridges, embeddings, mean, owners, retrieval, store)
+        return cls(folder, engine, cartridges, index.embeddings, index.mean, index.owners, retrieval, store)
 
     @property
     def prefix_tokens(self) -> int:

@@ -73,7 +73,7 @@ def test_a_message_retrieves_its_document(fleet_dir):
     assert composed.names == chosen and composed.tokens == 16 and two.prefix_tokens == 16
 
 
-def test_the_choice_is_kept_per_conversation_and_shared_through_redis(fleet_dir, start_redis):
+def test_the_choice_is_kept_per_conversation_and_shared_through_redis(fleet_dir, start_redis, tmp_path):
     from kvstore.store import RedisStore
 
     from prometheus_client import REGISTRY
@@ -98,6 +98,20 @@ def test_the_choice_is_kept_per_conversation_and_shared_through_redis(fleet_dir,
     assert switches.choose("c1", chunk_of(engine, "mill")) == ["mill"]
     assert one.choose("c1", []) == ["mill"]  # the switch is what every worker now keeps
     assert {how: counted(how) - before[how] for how in before} == {"new": 2, "kept": 3, "switched": 1}
+    # the index went into Redis with the first load: a worker given the cartridges alone reads it
+    import shutil
+
+    from shared.errors import ModelLoadError
+
+    alone_dir = tmp_path / "cartridges-only"
+    alone_dir.mkdir()
+    for name in DOCUMENTS:
+        shutil.copy(fleet_dir / "fleet" / f"{name}.safetensors", alone_dir)
+    from_redis = Fleet.load(alone_dir, engine, Retrieval(), RedisStore(redis.url))
+    assert from_redis.scores(chunk_of(engine, "mill")) == one.scores(chunk_of(engine, "mill"))
+    assert from_redis.choose("c1", []) == ["mill"]  # the same fleet: the same choices
+    with pytest.raises(ModelLoadError, match="no kvstore holds one"):
+        Fleet.load(alone_dir, engine, Retrieval())
     # without a kvstore the choices are this process's
     alone = Fleet.load(fleet_dir / "fleet", engine, Retrieval())
     assert alone.choose("c1", chunk_of(engine, "lighthouse")) == ["lighthouse"]
