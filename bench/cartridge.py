@@ -24,14 +24,13 @@ checkpoints stay in ``--work``, so a second run reuses them.
 from __future__ import annotations
 
 import argparse
-import platform
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from bench.faults import cpu_flags
 from worker.cartridge import Cartridge, from_document, write
 from worker.engine import Engine
 from worker.selfstudy import SelfStudy
@@ -165,17 +164,6 @@ def time_to_first_token(engine: Engine, cartridge: Cartridge | None, prompt: lis
     return best
 
 
-def cpu_flags() -> str:
-    try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines()
-    except OSError:
-        return platform.processor()
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("Flags")), [])
-    wanted = [f for f in flags if f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")]
-    return f"{model}; {' '.join(wanted)}"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cartridge", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -200,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     engine = Engine.load(args.model or default_model_path())  # the served f16 cache
     study = SelfStudy(engine)
-    print(f"model {engine.model_id}; cpu {cpu_flags()}")
+    print(f"model {engine.model_id}; lscpu flags: {' '.join(sorted(cpu_flags()))}")
     print(f"{'doc':>4} {'doc tokens':>10} {'none':>8} {'ICL':>8} {'init':>8} {'cartridge':>9} {'gap closed':>10} "
           f"{'KV MiB ICL':>10} {'cartridge':>9} {'TTFT s ICL':>10} {'cartridge':>9} {'train loss':>15}")
     closed, untrained = [], []

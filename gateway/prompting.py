@@ -84,26 +84,22 @@ class ModelView:
         """The ids of a rendered prompt. With ``quoted``, its markers stand for text a client
         wrote, which is read as plain text: a control token spelled out there is not one."""
         tokenizer = self.tokenizer
+        if quoted is None or not quoted.originals:
+            return tokenizer.encode_prompt(text)
         bos = tokenizer.bos_id
         # Templates that write the BOS text themselves must not get a second one.
         already = bos is not None and text.startswith(tokenizer.id_to_piece(bos))
-        if quoted is None or not quoted.originals:
-            ids = tokenizer.encode(text, add_special=not already)
-        else:
-            ids = [bos] if tokenizer.add_bos and not already else []
-            for i, part in enumerate(quoted.marker.split(text)):
-                # a piece continues the one before unless it starts the text or follows a control
-                # token (where a SentencePiece vocabulary's leading-space rule applies again)
-                continuation = bool(ids) and ids[-1] not in tokenizer.special_ids
-                if i % 2:  # a marker's number: the client's text, tokenized as plain text
-                    ids += tokenizer.encode(quoted.originals[int(part)], add_special=False, parse_special=False,
-                                            continuation=continuation)
-                elif part:
-                    ids += tokenizer.encode(part, add_special=False, continuation=continuation)
-            if tokenizer.add_eos:
-                ids.append(tokenizer.eos_id)
-        if tokenizer.add_eos and ids and ids[-1] == tokenizer.eos_id:
-            ids.pop()  # a prompt never ends the turn it asks the model to write
+        ids = [bos] if tokenizer.add_bos and not already else []
+        for i, part in enumerate(quoted.marker.split(text)):
+            # a piece continues the one before unless it starts the text or follows a control
+            # token (where a SentencePiece vocabulary's leading-space rule applies again)
+            continuation = bool(ids) and ids[-1] not in tokenizer.special_ids
+            if i % 2:  # a marker's number: the client's text, tokenized as plain text
+                ids += tokenizer.encode(quoted.originals[int(part)], add_special=False, parse_special=False,
+                                        continuation=continuation)
+            elif part:
+                ids += tokenizer.encode(part, add_special=False, continuation=continuation)
+        # no EOS is added after the last piece: a prompt never ends the turn it asks for
         return ids
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None, reasoning: bool = False,

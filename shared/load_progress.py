@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 BAR_WIDTH = 30
@@ -52,26 +53,38 @@ def parse_status(line: str) -> dict[str, Any] | None:
     return entry if isinstance(entry, dict) and "event" in entry else None
 
 
-class ProgressBar:
-    """One line redrawn in place: ``loading model.gguf [#####-----]  48%  45/93 MB``."""
+def megabytes(done: int, total: int) -> str:
+    return f"{done / 1e6:.0f}/{total / 1e6:.0f} MB"
 
-    def __init__(self, stream: TextIO, label: str):
+
+class ProgressBar:
+    """One line redrawn in place: ``loading model.gguf [#####-----]  48%  45/93 MB``. Where the
+    stream is not a terminal (``redraw`` off), a whole line at every tenth instead."""
+
+    def __init__(self, stream: TextIO, label: str, amount: Callable[[int, int], str] = megabytes,
+                 redraw: bool = True):
         self.stream = stream
         self.label = label
+        self.amount = amount  # how done/total reads after the percentage
+        self.redraw = redraw
         self.last_paint = 0.0
         self.painted = False
+        self.tenths = -1  # without redraw: the last tenth printed
 
-    def update(self, done: int, total: int) -> None:
+    def update(self, done: int, total: int, note: str = "") -> None:
         now = time.monotonic()
-        if now - self.last_paint < REPAINT_INTERVAL and done < total:
-            return
-        self.last_paint = now
         fraction = min(done / total, 1.0) if total else 0.0
+        if self.redraw and now - self.last_paint < REPAINT_INTERVAL and done < total:
+            return
+        if not self.redraw and int(fraction * 10) <= self.tenths:
+            return
+        self.last_paint, self.tenths = now, int(fraction * 10)
         filled = int(fraction * BAR_WIDTH)
-        self.stream.write(f"\r{self.label} [{'#' * filled}{'-' * (BAR_WIDTH - filled)}] "
-                          f"{fraction * 100:3.0f}%  {done / 1e6:.0f}/{total / 1e6:.0f} MB")
+        line = (f"{self.label} [{'#' * filled}{'-' * (BAR_WIDTH - filled)}] "
+                f"{fraction * 100:3.0f}%  {self.amount(done, total)}{'  ' + note if note else ''}")
+        self.stream.write(f"\r{line}" if self.redraw else f"{line}\n")
         self.stream.flush()
-        self.painted = True
+        self.painted = self.redraw
 
     def finish(self) -> None:
         if self.painted:

@@ -530,6 +530,17 @@ class Tokenizer:
             ids.append(self._eos_id)
         return ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A rendered prompt's ids: the vocabulary's BOS unless the text writes it itself (a
+        template that does must not get a second), and no closing EOS (a prompt never ends the
+        turn it asks the model to write)."""
+        bos = self._bos_id
+        already = bos is not None and text.startswith(self.id_to_piece(bos))
+        ids = self.encode(text, add_special=not already)
+        if self._add_eos and ids and ids[-1] == self._eos_id:
+            ids.pop()
+        return ids
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token stands for (added tokens: their text as UTF-8)."""
         return self._bytes[token_id]

@@ -31,6 +31,7 @@ except ImportError as exc:  # serving never needs torch; training does
     raise ImportError("training a cartridge needs torch: pip install 'lmserve[train]'") from exc
 
 from shared.errors import ModelLoadError
+from shared.load_progress import ProgressBar
 from worker.cartridge import from_document, model_identity, write_arrays
 from worker.engine import Engine
 from worker.engine.model import DecoderModel
@@ -190,27 +191,15 @@ class TrainSettings:
     checkpoint_every: int = 10  # steps (and samples) between checkpoints
 
 
-class Progress:
-    """One line on stderr: redrawn in place on a terminal, printed every tenth elsewhere."""
+def progress(label: str) -> ProgressBar:
+    return ProgressBar(sys.stderr, label, amount=lambda done, total: f"{done}/{total}", redraw=sys.stderr.isatty())
 
-    def __init__(self, label: str, total: int, stream=sys.stderr):
-        self.label, self.total, self.stream = label, max(total, 1), stream
-        self.started = time.monotonic()
-        self.tty = stream.isatty()
-        self.printed = -1
 
-    def update(self, done: int, note: str = "") -> None:
-        elapsed = time.monotonic() - self.started
-        share = done / self.total
-        eta = elapsed / done * (self.total - done) if done else 0.0
-        bar = "#" * int(24 * share) + "-" * (24 - int(24 * share))
-        line = f"{self.label} [{bar}] {done}/{self.total} {note} {elapsed:.0f}s elapsed, {eta:.0f}s left"
-        if self.tty:
-            self.stream.write("\r" + line + ("\n" if done >= self.total else ""))
-        elif int(10 * share) > self.printed:
-            self.printed = int(10 * share)
-            self.stream.write(line + "\n")
-        self.stream.flush()
+def time_left(started: float, done: int, since: int, total: int) -> str:
+    """Elapsed and left, from the pace of the ``done - since`` units this run has made."""
+    elapsed = time.monotonic() - started
+    made = done - since
+    return f"{elapsed:.0f} s elapsed, {elapsed / made * (total - done) if made else 0:.0f} s left"
 
 
 def document_digest(text: str) -> str:
@@ -268,14 +257,15 @@ class Trainer:
         study = SelfStudy(self.engine, seed=s.seed + len(self.samples), message_tokens=s.message_tokens,
                           answer_tokens=s.answer_tokens)
         pieces = chunks(self.engine, self.document, s.chunk_tokens)
-        progress = Progress("self-study", s.samples)
-        progress.update(len(self.samples))
+        bar, started, since = progress("self-study"), time.monotonic(), len(self.samples)
+        bar.update(since, s.samples)
         while len(self.samples) < s.samples:
             # the chunks in turn, from where a resumed run stopped
             self.samples.append(study.sample(pieces[len(self.samples) % len(pieces)]))
-            progress.update(len(self.samples))
+            bar.update(len(self.samples), s.samples, time_left(started, len(self.samples), since, s.samples))
             if len(self.samples) % s.checkpoint_every == 0:
                 self.save()
+        bar.finish()
         self.save()
 
     def loss(self, sample: Sample) -> torch.Tensor:
@@ -285,8 +275,8 @@ class Trainer:
     def train(self) -> list[float]:
         """Run the remaining steps; the mean loss of every step so far."""
         s = self.settings
-        progress = Progress("training", s.steps)
-        progress.update(self.step)
+        bar, started, since = progress("training"), time.monotonic(), self.step
+        bar.update(since, s.steps)
         while self.step < s.steps:
             picks = np.random.default_rng([s.seed, self.step]).choice(len(self.samples), size=s.batch,
                                                                       replace=len(self.samples) < s.batch)
@@ -300,9 +290,11 @@ class Trainer:
             self.step += 1
             self.losses.append(total)
             recent = self.losses[-10:]
-            progress.update(self.step, f"loss {sum(recent) / len(recent):.4f}")
+            bar.update(self.step, s.steps, f"loss {sum(recent) / len(recent):.4f}, "
+                                           f"{time_left(started, self.step, since, s.steps)}")
             if self.step % s.checkpoint_every == 0 or self.step == s.steps:
                 self.save()
+        bar.finish()
         return self.losses
 
     def evaluate(self, samples: list[Sample] | None = None) -> float:

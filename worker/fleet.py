@@ -31,7 +31,7 @@ import numpy as np
 
 from shared.errors import ModelLoadError
 from worker import metrics
-from worker.cartridge import Cartridge, compose, model_identity
+from worker.cartridge import Cartridge, model_identity
 from worker.engine import Engine
 from worker.engine.checkpoint import SafetensorsFile, floats, write_safetensors
 
@@ -149,9 +149,9 @@ class Retrieval:
 class Fleet:
     """A loaded fleet: its cartridges, its index, and the choices made per conversation."""
 
-    def __init__(self, folder: Path, engine: Engine, cartridges: dict[str, Cartridge], embeddings: np.ndarray,
+    def __init__(self, engine: Engine, cartridges: dict[str, Cartridge], embeddings: np.ndarray,
                  mean: np.ndarray, owners: np.ndarray, retrieval: Retrieval, store=None):
-        self.folder, self.engine, self.cartridges = folder, engine, cartridges
+        self.engine, self.cartridges = engine, cartridges
         self.names = list(cartridges)
         self.embeddings, self.mean, self.owners = embeddings, mean, owners
         self.retrieval = retrieval
@@ -198,7 +198,7 @@ class Fleet:
         if retrieval.docs > len(names):
             raise ModelLoadError(f"--rag-docs {retrieval.docs} asks for more cartridges than the fleet's "
                                  f"{len(names)} documents")
-        return cls(folder, engine, cartridges, index.embeddings, index.mean, index.owners, retrieval, store)
+        return cls(engine, cartridges, index.embeddings, index.mean, index.owners, retrieval, store)
 
     @property
     def prefix_tokens(self) -> int:
@@ -245,9 +245,6 @@ class Fleet:
         if conversation:
             self.remember(conversation, best)
         return best
-
-    def cartridge_for(self, names: list[str]) -> Cartridge:
-        return compose([self.cartridges[n] for n in names], self.engine)
 
     # --- the choices ----------------------------------------------------------------------------
 

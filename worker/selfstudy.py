@@ -14,7 +14,6 @@ Only numpy and the engine run here; the optimisation is in ``worker/cartridge_tr
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,22 +84,12 @@ class SelfStudy:
 
     # --- prompts ------------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
-        """A rendered prompt's ids, as the gateway encodes one (BOS unless the text writes it)."""
-        tokenizer = self.engine.tokenizer
-        bos = tokenizer.bos_id
-        already = bos is not None and text.startswith(tokenizer.id_to_piece(bos))
-        ids = tokenizer.encode(text, add_special=not already)
-        if tokenizer.add_eos and ids and ids[-1] == tokenizer.eos_id:
-            ids.pop()
-        return ids
-
     def render(self, messages: list[dict]) -> list[int]:
         """The prompt for ``messages`` through the model's chat template; a model without one (a
         base model) gets plain "Role: text" lines."""
         if self.template is not None:
             try:
-                return self.encode(self.template.render(messages, add_generation_prompt=True))
+                return self.engine.tokenizer.encode_prompt(self.template.render(messages, add_generation_prompt=True))
             except TemplateError:
                 if messages[0]["role"] != "system":
                     raise
@@ -108,7 +97,7 @@ class SelfStudy:
                 merged = [{"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}]
                 return self.render(merged + messages[2:])
         lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
-        return self.encode("\n\n".join(lines) + "\n\nAssistant:")
+        return self.engine.tokenizer.encode_prompt("\n\n".join(lines) + "\n\nAssistant:")
 
     def served_prompt(self, message: str) -> list[int]:
         """What a client sends behind the cartridge: the message as its only user turn."""
@@ -155,14 +144,3 @@ class SelfStudy:
         prompt = self.served_prompt(message)
         return Sample(kind, message, prompt + answer, len(prompt), np.asarray(top_ids, dtype=np.int64),
                       np.asarray(top_logprobs, dtype=np.float32))
-
-    def samples(self, document: str, count: int, chunk_tokens: int,
-                on_sample: Callable[[int, int], None] | None = None) -> list[Sample]:
-        """``count`` samples, about the document's chunks in turn."""
-        pieces = chunks(self.engine, document, chunk_tokens)
-        out = []
-        for i in range(count):
-            out.append(self.sample(pieces[i % len(pieces)]))
-            if on_sample:
-                on_sample(i + 1, count)
-        return out

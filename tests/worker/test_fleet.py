@@ -14,6 +14,7 @@ from tiny_models import write_tiny_gguf
 
 pytest.importorskip("torch")
 
+from worker.cartridge import compose  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.fleet import INDEX_FILE, Fleet, Retrieval  # noqa: E402
 
@@ -69,7 +70,7 @@ def test_a_message_retrieves_its_document(fleet_dir):
     two = Fleet.load(fleet_dir / "fleet", engine, Retrieval(docs=2, chunks=4))
     chosen = two.choose(None, chunk_of(engine, "mill"))
     assert chosen[0] == "mill" and len(set(chosen)) == 2
-    composed = two.cartridge_for(chosen)
+    composed = compose([two.cartridges[n] for n in chosen], engine)
     assert composed.names == chosen and composed.tokens == 16 and two.prefix_tokens == 16
 
 
