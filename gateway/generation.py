@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from gateway import tool_calls
+from gateway import inkling_blocks, tool_calls
 from gateway.neutral import (
     Event,
     Finish,
@@ -112,7 +112,7 @@ def prepare(view: ModelView, request: NeutralRequest) -> tuple[tool_calls.ToolPl
     if request.prompt is not None:
         return tools, view.text_prompt_ids(request.prompt, request.suffix)
     return tools, view.prompt_ids(tools.prompt_messages(request.messages), tools.declared, request.reasoning,
-                                  request.prefill)
+                                  request.prefill, request.reasoning_effort)
 
 
 QUERY_TOKENS = 512  # of a message, what a fleet's retrieval reads at most (its last ones)
@@ -155,11 +155,16 @@ async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest
                               **(_retrieval(view, request, prompt) if view.card.capabilities.fleet else {}),
                               prompt_logprobs=-1 if request.prompt_logprobs is None else request.prompt_logprobs)
     tokenizer = view.tokenizer
-    decoder = tokenizer.incremental_decoder(skip_special=True)
+    blocks = view.writes_blocks and request.prompt is None
+    # an Inkling reply's markers are control tokens, kept in its text for its block reader
+    decoder = tokenizer.incremental_decoder(skip_special=True,
+                                            keep=inkling_blocks.marker_ids(tokenizer) if blocks else frozenset())
     reply = ReplyText(
         # A text completion is continued as it is; otherwise, when reasoning is on, a template
         # may open the think block in the prompt already.
         PlainText() if request.prompt is not None else
+        inkling_blocks.InklingBlocks(calls=tools.parse and tools.call_format == tool_calls.INKLING,
+                                     in_text=request.prefill != "") if blocks else
         ReasoningSplitter(view.reasoning_tags,
                           inside=request.prefill == "" and _prompt_opens_reasoning(view)
                           if view.has_reasoning_channel and request.reasoning else False,
@@ -264,8 +269,8 @@ class ReplyText:
     """The reply's text on its way to events: the reasoning split, then stop strings on what is
     not reasoning, then tool-call parsing on what the stop strings release."""
 
-    def __init__(self, splitter: ReasoningSplitter | PlainText, stops: StopStringMatcher,
-                 parser: tool_calls.ToolCallParser | tool_calls.WholeReplyCall | None):
+    def __init__(self, splitter: ReasoningSplitter | inkling_blocks.InklingBlocks | PlainText,
+                 stops: StopStringMatcher, parser: tool_calls.ToolCallParser | tool_calls.WholeReplyCall | None):
         self.splitter = splitter
         self.stops = stops
         self.parser = parser

@@ -25,6 +25,9 @@ class NeutralRequest:
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True
     reasoning: bool = False  # open the model's reasoning channel
+    # how hard to think when reasoning, as an OpenAI effort word (low … max; Anthropic's budget
+    # mapped to one); None: the model's default. Only a template that takes it reads it.
+    reasoning_effort: str | None = None
     prefill: str = ""  # text the reply must continue from (Anthropic final assistant turn)
     stream: bool = False
     # A text completion's prompt (text, or token ids) continued as it is: no template, no

@@ -11,6 +11,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway import inkling_blocks
 from shared.chat_template import ChatTemplate
 from shared.errors import ContextOverflowError, InvalidRequestError
 from shared.protocol import ModelCard, Tags
@@ -68,16 +69,30 @@ class ModelView:
 
     @property
     def tool_call_format(self) -> str:
-        """What a call block holds: "hermes" (JSON) or "gemma4" (``call:NAME{…}``)."""
+        """What a call block holds: "hermes" (JSON), "gemma4" (``call:NAME{…}``), "qwen_xml",
+        "nanochat" or "inkling" (the reply is a run of blocks, ``gateway/inkling_blocks.py``)."""
         return self.card.capabilities.tool_call_format
 
+    @property
+    def writes_blocks(self) -> bool:
+        """The model's reply is a run of Inkling blocks."""
+        return self.tool_call_format == inkling_blocks.INKLING
+
     def render(self, messages: list[dict], tools: list[dict] | None = None, reasoning: bool = False,
-               prefill: str = "") -> str:
+               prefill: str = "", effort: str | None = None) -> str:
+        """The prompt text. ``effort``: how hard the client asked the model to think (an OpenAI
+        effort word), for a template that takes it (Inkling's ``reasoning_effort``)."""
         if self.template is None:
             raise InvalidRequestError(NO_TEMPLATE, param="messages")
-        enable_thinking = reasoning if self.has_reasoning_channel else None
-        text = self.template.render(messages, tools=tools or None, add_generation_prompt=True,
-                                    enable_thinking=enable_thinking)
+        switch: dict[str, Any] = {}
+        if self.has_reasoning_channel and self.writes_blocks:
+            level = inkling_blocks.template_effort(reasoning, effort)
+            switch = {"reasoning_effort": level} if level is not None else {}
+        elif self.has_reasoning_channel:
+            switch = {"enable_thinking": reasoning}
+        text = self.template.render(messages, tools=tools or None, add_generation_prompt=True, **switch)
+        if prefill and self.writes_blocks:
+            return text + inkling_blocks.TEXT + prefill  # a prefill continues a text block
         return text + prefill
 
     def encode_prompt(self, text: str, quoted: ClientText | None = None) -> list[int]:
@@ -103,7 +118,7 @@ class ModelView:
         return ids
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None, reasoning: bool = False,
-                   prefill: str = "") -> list[int]:
+                   prefill: str = "", effort: str | None = None) -> list[int]:
         """The prompt's ids. One far longer than the context is refused before it is tokenized
         (its length in characters bounds its tokens from below), so a huge body costs its
         rendering, not seconds of tokenizing and a tokenizer's worth of memory."""
@@ -115,7 +130,7 @@ class ModelView:
         self.refuse_beyond_context(text_length((messages, tools, prefill)))
         quoted = ClientText(self.control_texts)
         messages, tools, prefill = quoted.mark(messages), quoted.mark(tools), quoted.mark(prefill)
-        text = self.render(messages, tools, reasoning, prefill)
+        text = self.render(messages, tools, reasoning, prefill, effort)
         self.refuse_beyond_context(len(text))
         return self.encode_prompt(text, quoted)
 

@@ -3,7 +3,9 @@
 A model with the Hermes convention (Qwen3 and its kin) writes among its text
 ``<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>``, one
 block per call; a Gemma 4 model writes ``<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>``
-(gateway/gemma4_calls.py); a nanochat model calls its calculator,
+(gateway/gemma4_calls.py); an Inkling model writes a block,
+``get_weather<|content_invoke_tool_json|>{"name":"get_weather","args":{"city":"Paris"}}<|end_message|>``
+(gateway/inkling_blocks.py, whose reader hands each call block on whole); a nanochat model calls its calculator,
 ``<|python_start|>2+2<|python_end|>``, which comes back as a call of the request's calculator
 tool (``calculator_call``). The worker names the model's call tags and format in its
 capabilities. ``ToolCallParser`` reads the reply's text stream (after the reasoning split and
@@ -38,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway import gemma4_calls, lark_regex, qwen_xml_calls
+from gateway import gemma4_calls, inkling_blocks, lark_regex, qwen_xml_calls
 from gateway.neutral import (
     NeutralRequest,
     TextDelta,
@@ -67,6 +69,7 @@ CUSTOM_INPUT = "input"  # the one argument a freeform (custom) tool is called wi
 # or the whole reply as the input of one freeform tool.
 HERMES, GEMMA4, NANOCHAT, JSON_CALL, RAW_INPUT = "hermes", "gemma4", "nanochat", "json", "input"
 QWEN_XML = "qwen_xml"  # Hermes's tags around <function=…> and <parameter=…> blocks
+INKLING = inkling_blocks.INKLING  # blocks of a kind each; a call's is JSON with name and args
 CALCULATOR_NAMES = ("python", "calculator")  # nanochat's one tool: the name its calls get by default
 CALCULATOR_ARGUMENT = "code"
 CALCULATOR_CODE_CHARS = 256  # a forced calculator call's code: one line, an expression
@@ -135,7 +138,7 @@ def plan(view: ModelView, request: NeutralRequest) -> ToolPlan:
     if not request.tools or request.tool_choice == "none":
         return ToolPlan([], False, None)
     limit = None if request.parallel_tool_calls else 1
-    form = view.tool_call_format if view.tool_call_format in (GEMMA4, NANOCHAT, QWEN_XML) else HERMES
+    form = view.tool_call_format if view.tool_call_format in (GEMMA4, NANOCHAT, QWEN_XML, INKLING) else HERMES
     if form == NANOCHAT:
         name, argument = calculator_call(forced or request.tools)
         syntax = CallSyntax(None, None, False, lambda raw: (name, {argument: raw}) if raw.strip() else None)
@@ -252,10 +255,15 @@ def calls_lark(view: ModelView, request: NeutralRequest, tools: list[dict[str, A
         calls = "tc*" if parallel else "tc?"
         start = f"start: TEXT {calls}\nTEXT: /(.|\\n)*/" if optional else f"start: tc{'+' if parallel else ''}"
         return f"{start}\ntc: <[{ids[0]}]> CODE <[{ids[1]}]>\nCODE: /[^\\n]{{1,{CALCULATOR_CODE_CHARS}}}/\n"
-    if view.tool_call_format == QWEN_XML:
+    if view.tool_call_format in (QWEN_XML, INKLING):
         functions = [(tool["function"]["name"], _arguments_schema(request, tool["function"])) for tool in tools]
-        return qwen_xml_calls.lark(functions, tags.open, tags.close, parallel, optional,
-                                   lead=request.grammar_after_reasoning)
+        if view.tool_call_format == QWEN_XML:
+            return qwen_xml_calls.lark(functions, tags.open, tags.close, parallel, optional,
+                                       lead=request.grammar_after_reasoning)
+        grammar = inkling_blocks.lark(view.tokenizer, functions, parallel, optional, lead=request.grammar_after_reasoning)
+        if grammar is None:
+            raise InvalidRequestError("this model's vocabulary lacks its block tokens; tool_choice cannot force a call")
+        return grammar
     if view.tool_call_format != GEMMA4:
         return hermes_lark(request, tools, tags, parallel, optional)
     ids = [view.tokenizer.piece_to_id(text) for text in (tags.open, tags.close, gemma4_calls.QUOTE)]
@@ -364,6 +372,7 @@ class CallSyntax:
     escape: str | None  # the character that escapes the next one inside a string
     newline_ends_string: bool
     parse: Callable[[str], tuple[str, dict[str, Any]] | None]
+    tags_are_text: bool = True  # False: the tags are control tokens, never shown (Inkling's)
 
 
 class ToolCallParser:
@@ -401,7 +410,7 @@ class ToolCallParser:
         out: list[ParsedEvent] = []
         if not self.done:
             if self.inside:
-                self._text(self.gap + self.tags.open + self.body, out)
+                self._text(self.gap + self._as_text(self.body, closed=False), out)
             else:
                 self._text(self.held, out)
         self.inside, self.held, self.body, self.gap = False, "", "", ""
@@ -448,7 +457,7 @@ class ToolCallParser:
                 return body[i + 1:]
             elif char == ">" and body.endswith(self.tags.open, 0, i + 1):
                 # A new call opens before this one closed: this one was never finished.
-                self._text(self.gap + self.tags.open + body[:i + 1 - len(self.tags.open)], out)
+                self._text(self.gap + self._as_text(body[:i + 1 - len(self.tags.open)], closed=False), out)
                 self._open(gap="")
                 return body[i + 1:]
         self.scanned = len(body)
@@ -457,12 +466,18 @@ class ToolCallParser:
     def _close(self, raw: str, out: list[ParsedEvent]) -> None:
         call = self.syntax.parse(raw)
         if call is None:
-            self._text(self.gap + self.tags.open + raw + self.tags.close, out)
+            self._text(self.gap + self._as_text(raw, closed=True), out)
             self.gap = ""
             return
         out.extend(call_events(self.completed, *call))
         self.completed += 1
         self.after_call, self.gap = True, ""
+
+    def _as_text(self, raw: str, closed: bool) -> str:
+        """A block that is not a call, as the text the model wrote."""
+        if not self.syntax.tags_are_text:
+            return raw
+        return self.tags.open + raw + (self.tags.close if closed else "")
 
     def _text(self, text: str, out: list[ParsedEvent]) -> None:
         if self.after_call:
@@ -481,8 +496,9 @@ def call_events(index: int, name: str, arguments: dict[str, Any]) -> list[Parsed
             ToolCallEnd(index, call_id, name, arguments_json)]
 
 
-def parse_call(raw: str) -> tuple[str, dict[str, Any]] | None:
-    """(name, arguments) of one call's JSON, or None when it is not a well-formed call."""
+def parse_call(raw: str, arguments_key: str = "arguments") -> tuple[str, dict[str, Any]] | None:
+    """(name, arguments) of one call's JSON, or None when it is not a well-formed call; the
+    arguments are under ``arguments_key`` (Inkling's calls: ``args``)."""
     try:
         value = json.loads(raw)
     except (ValueError, RecursionError):  # RecursionError: nested past any real arguments
@@ -492,7 +508,7 @@ def parse_call(raw: str) -> tuple[str, dict[str, Any]] | None:
     name = value.get("name")
     if not isinstance(name, str) or not name.strip():
         return None
-    arguments = value.get("arguments", {})
+    arguments = value.get(arguments_key, {})
     if isinstance(arguments, str):
         # Some models write the arguments object as a JSON string.
         try:
@@ -530,4 +546,6 @@ def json_fragments(text: str, size: int = FRAGMENT_CHARS) -> list[str]:
 
 
 SYNTAXES = {HERMES: CallSyntax('"', "\\", True, parse_call),
-            GEMMA4: CallSyntax(gemma4_calls.QUOTE, None, False, gemma4_calls.parse_call)}
+            GEMMA4: CallSyntax(gemma4_calls.QUOTE, None, False, gemma4_calls.parse_call),
+            # the block reader ends a call block at its marker, strings or not
+            INKLING: CallSyntax(None, None, False, lambda raw: parse_call(raw, "args"), tags_are_text=False)}

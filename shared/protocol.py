@@ -120,7 +120,9 @@ class Capabilities:
     reasoning_tags: Tags  # where a reasoning block starts and ends in a reply
     reasoning: bool = False  # the template switches reasoning on and off on request
     tool_call_tags: Tags | None = None  # calls are blocks between these; None: no convention
-    tool_call_format: str = "hermes"  # what a block holds: "hermes" (JSON) or "gemma4" (call:NAME{…})
+    # what a block holds: "hermes" (JSON), "gemma4" (call:NAME{…}), "qwen_xml", "nanochat" or
+    # "inkling" (the reply is a run of blocks: gateway/inkling_blocks.py)
+    tool_call_format: str = "hermes"
     vision: bool = False  # image inputs
     grammar: bool = True  # constrained decoding
     batch: int = 1  # streams decoded together

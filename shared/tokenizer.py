@@ -82,6 +82,12 @@ _NANOCHAT = (r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s
 # Qwen 3.5 keeps combining marks inside words.
 _QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k (GPT-4o, Llama 4, Inkling): a word is its capitalised head and lower-case tail, combining
+# marks in both, with an optional contraction; digits in runs of up to three.
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_O200K = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
+          rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,7 @@ PRE_KINDS: dict[str, PreTokenizerKind] = {
     "qwen2": PreTokenizerKind((_QWEN2,)),
     "qwen35": PreTokenizerKind((_QWEN35,)),
     "nanochat": PreTokenizerKind((_NANOCHAT,)),
+    "o200k": PreTokenizerKind((_O200K,)),
 }
 
 # tokenizer.ggml.pre value -> kind. Names as the GGUF converters write them.
@@ -114,6 +121,7 @@ PRE_NAMES: dict[str, str] = {
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2"), "qwen2"),
     "qwen35": "qwen35",
     "nanochat": "nanochat",
+    **dict.fromkeys(("gpt-4o", "llama4", "inkling"), "o200k"),
 }
 
 
@@ -556,8 +564,10 @@ class Tokenizer:
         data = b"".join(table[i] for i in ids if not (skip_special and i in special))
         return data.decode("utf-8", errors="replace")
 
-    def incremental_decoder(self, skip_special: bool = False) -> IncrementalDecoder:
-        return IncrementalDecoder(self, skip_special)
+    def incremental_decoder(self, skip_special: bool = False, keep: frozenset[int] = frozenset()) -> IncrementalDecoder:
+        """``keep``: control tokens that skip_special leaves in the text all the same (the
+        markers a reply's reader needs to see)."""
+        return IncrementalDecoder(self, skip_special, keep)
 
     # --- vocabulary facts -----------------------------------------------------------------
 
@@ -635,14 +645,15 @@ class IncrementalDecoder:
     arrives; invalid bytes become U+FFFD once it is certain they cannot complete.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False, keep: frozenset[int] = frozenset()):
         self._tokenizer = tokenizer
         self._skip_special = skip_special
+        self._keep = keep
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
         """Feed one id; return the text it completes (possibly empty)."""
-        if self._skip_special and token_id in self._tokenizer.special_ids:
+        if self._skip_special and token_id in self._tokenizer.special_ids and token_id not in self._keep:
             return ""
         return self._utf8.decode(self._tokenizer.token_bytes(token_id))
 

@@ -33,15 +33,20 @@ import numpy as np
 
 from worker.engine import q2_0
 from worker.engine.archs import ARCHITECTURES
+from worker.engine.archs.inkling import InklingShape
 from worker.engine.gguf_file import HeaderCursor
 from worker.engine.model import DENSE, FACTORS, MATRIX, NORM, HParams, LayerShape, LinearAttention
 
 # The GGUF families the generic tiny-model tests run over (nanochat is served from checkpoint
 # directories: tests/tiny_nanochat.py). The recurrent families (linear attention) have fixtures
-# of both references too, but their own tests (tests/engine/test_qwen35.py) instead of the
+# of both references too, but their own tests (tests/engine/test_recurrent_state.py) instead of the
 # generic ones, which cut caches back and compile attention-only block steps.
 RECURRENT = ("qwen35", "qwen35moe")
-ARCHS = tuple(arch for arch in ARCHITECTURES if arch != "nanochat" and arch not in RECURRENT)
+# Families llama.cpp does not have: transformers is their one reference. They have their own
+# tests too: inkling's caches hold convolution states (they are not cut back), and
+# diffusion-gemma writes its replies a block at a time.
+TRANSFORMERS_ONLY = ("diffusion-gemma", "inkling")
+ARCHS = tuple(arch for arch in ARCHITECTURES if arch != "nanochat" and arch not in RECURRENT + TRANSFORMERS_ONLY)
 
 # Per-architecture defaults; every key may be overridden by keyword.
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -132,6 +137,30 @@ _DEFAULTS["qwen35"] = {**_DEFAULTS["qwen3"], "n_layer": 4, "rope_base": 1e7, "ro
 _DEFAULTS["qwen35moe"] = {**_DEFAULTS["qwen35"], "n_ff": 48, "n_expert": 8, "n_expert_used": 2, "n_ff_exp": 32,
                           "write_optional": ("ffn_gate_exps.weight", "ffn_up_exps.weight")}
 
+# diffusion-gemma: the gemma4 tiny layout (every layer with experts) as a text-diffusion model
+# writing canvases of 8 tokens; its encoder's and decoder's layer scales differ.
+_DEFAULTS["diffusion-gemma"] = {
+    **_DEFAULTS["gemma4"],
+    "write_optional": ("layer_output_scale.weight", "enc_layer_output_scale.weight", "ffn_gate_up_exps.weight",
+                       "ffn_down_exps.scale"),
+    "diffusion": {"canvas_length": 8, "eb_max_steps": 4, "eb_t_min": 0.4, "eb_t_max": 0.8,
+                  "eb_entropy_bound": 0.1, "eb_stability_threshold": 1, "eb_confidence_threshold": 0.005},
+}
+
+# inkling: four layers, the third global (1 KV head, relative bias over 8 positions, length
+# scaling from position 4) and the others sliding over 4 positions (2 KV heads, bias over the
+# window); 4-tap convolutions; a dense first layer, then 8 routed experts of width 32 (2 chosen)
+# and 2 shared; logits over 4, the last 64 ids padding; untied. An Inkling-style vocabulary
+# (``inkling_vocab.py``: Qwen's, with Inkling's block tokens and pre-tokenizer).
+_DEFAULTS["inkling"] = {
+    "n_layer": 4, "n_embd": 64, "n_head": 4, "n_head_kv": 2, "n_head_kv_global": 1, "head_dim": 16,
+    "swa_pattern": (True, True, False, True), "sliding_window": 4, "d_rel": 4, "rel_extent": 8,
+    "conv_kernel": 4, "dense_layers": 1, "n_ff": 128, "n_expert": 8, "n_expert_used": 2, "n_ff_exp": 32,
+    "n_shared": 2, "route_scale": 2.5, "logit_scale_denom": 4.0, "vocab_padding": 64, "log_n_floor": 4,
+    "log_alpha": 0.1, "rope_base": 10000.0, "rms_eps": 1e-6, "context_length": 256, "tied": False,
+    "vocab": "inkling",
+}
+
 # Variants with logit fixtures of their own: name -> (architecture, overrides). gemma4_e is the
 # E2B/E4B layout in small: no experts, per-layer token embeddings of width 8, and the last two
 # layers reading the KV of the last sliding (layer 2) and global (layer 3) layers before them.
@@ -145,7 +174,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 # every logit fixture from llama.cpp of a tiny model: its name -> (architecture, overrides)
 TINY_FIXTURES = {**{arch: (arch, {}) for arch in ARCHS + RECURRENT}, **VARIANTS}
 # every tiny model with a fixture of either reference
-TINY_SPECS = TINY_FIXTURES
+TINY_SPECS = {**TINY_FIXTURES, **{arch: (arch, {}) for arch in TRANSFORMERS_ONLY}}
 
 _COMMON_OVERRIDES = {"tensor_type", "name"}
 
@@ -199,16 +228,25 @@ def _gemma4_vocab() -> dict[str, Any]:
     return dict(importlib.import_module(module_name).gemma4_vocab_metadata())
 
 
+@functools.lru_cache(maxsize=1)
+def _inkling_vocab() -> dict[str, Any]:
+    module_name = f"{__package__}.inkling_vocab" if __package__ else "inkling_vocab"
+    return dict(importlib.import_module(module_name).inkling_vocab_metadata())
+
+
 def vocab_metadata(vocab: str) -> dict[str, Any]:
-    """The ``tokenizer.*`` keys of a real vocabulary: ``"smollm2"``, ``"qwen"`` or ``"gemma4"``
-    (Gemma 3's cut down to Gemma 4's form, ``gemma4_vocab.py``)."""
+    """The ``tokenizer.*`` keys of a real vocabulary: ``"smollm2"``, ``"qwen"``, ``"gemma4"``
+    (Gemma 3's cut down to Gemma 4's form, ``gemma4_vocab.py``) or ``"inkling"`` (Qwen's in
+    Inkling's form, ``inkling_vocab.py``)."""
     if vocab == "smollm2":
         return _smollm2_vocab()
     if vocab == "qwen":
         return _qwen_vocab()
     if vocab == "gemma4":
         return _gemma4_vocab()
-    raise ValueError(f"unknown vocabulary {vocab!r}; expected 'smollm2', 'qwen' or 'gemma4'")
+    if vocab == "inkling":
+        return _inkling_vocab()
+    raise ValueError(f"unknown vocabulary {vocab!r}; expected 'smollm2', 'qwen', 'gemma4' or 'inkling'")
 
 
 def add_tokenizer_keys(writer: gguf.GGUFWriter, metadata: dict[str, Any]) -> None:
@@ -310,6 +348,9 @@ def _layer_shapes(hp: dict[str, Any]) -> tuple[LayerShape, ...]:
                      for i in range(hp["n_layer"]))
     if "swa_pattern" not in hp:
         return ()
+    if "d_rel" in hp:  # inkling: KV heads by kind of layer, one head size
+        return tuple(LayerShape(hp["n_head_kv"] if local else hp["n_head_kv_global"], hp["head_dim"], local)
+                     for local in hp["swa_pattern"])
     local = list(hp["swa_pattern"])
     first_shared = hp["n_layer"] - hp["shared_kv_layers"]
     shapes = []
@@ -322,10 +363,9 @@ def _layer_shapes(hp: dict[str, Any]) -> tuple[LayerShape, ...]:
     return tuple(shapes)
 
 
-def add_gemma4_keys(writer: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
-    """gemma4's own keys from the tiny hyperparameters' names (swa_pattern, head_dim_swa,
-    rope_base_swa, n_embd_per_layer, shared_kv_layers)."""
-    arch = "gemma4"
+def add_gemma4_keys(writer: gguf.GGUFWriter, hp: dict[str, Any], arch: str = "gemma4") -> None:
+    """gemma4's own keys (diffusion-gemma's too) from the tiny hyperparameters' names
+    (swa_pattern, head_dim_swa, rope_base_swa, n_embd_per_layer, shared_kv_layers)."""
     writer.add_array(f"{arch}.attention.sliding_window_pattern", [bool(v) for v in hp["swa_pattern"]])
     writer.add_uint32(f"{arch}.attention.key_length_swa", hp["head_dim_swa"])
     writer.add_uint32(f"{arch}.attention.value_length_swa", hp["head_dim_swa"])
@@ -334,6 +374,28 @@ def add_gemma4_keys(writer: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     writer.add_uint32(f"{arch}.embedding_length_per_layer_input", hp["n_embd_per_layer"])
     if hp["shared_kv_layers"]:
         writer.add_uint32(f"{arch}.attention.shared_kv_layers", hp["shared_kv_layers"])
+
+
+def inkling_shape(hp: dict[str, Any], n_vocab: int) -> InklingShape:
+    return InklingShape(d_rel=hp["d_rel"], rel_extent=hp["rel_extent"], rel_extent_swa=hp["sliding_window"],
+                        conv_kernel=hp["conv_kernel"], dense_layers=hp["dense_layers"], n_shared=hp["n_shared"],
+                        route_scale=hp["route_scale"], logit_scale_denom=hp["logit_scale_denom"],
+                        unpadded_vocab=n_vocab - hp["vocab_padding"], log_n_floor=hp["log_n_floor"],
+                        log_alpha=hp["log_alpha"])
+
+
+def add_inkling_keys(writer: gguf.GGUFWriter, hp: dict[str, Any], family: InklingShape) -> None:
+    arch = "inkling"
+    writer.add_array(f"{arch}.attention.sliding_window_pattern", [bool(v) for v in hp["swa_pattern"]])
+    for key, value in (("d_rel", family.d_rel), ("rel_extent", family.rel_extent),
+                       ("rel_extent_swa", family.rel_extent_swa), ("shortconv_kernel", family.conv_kernel),
+                       ("dense_block_count", family.dense_layers), ("expert_shared_count", family.n_shared),
+                       ("expert_gating_func", 2), ("log_scaling_n_floor", family.log_n_floor),
+                       ("unpadded_vocab_size", family.unpadded_vocab)):
+        writer.add_uint32(f"{arch}.{key}", value)
+    for key, value in (("expert_weights_scale", family.route_scale),
+                       ("logit_scale_denom", family.logit_scale_denom), ("log_scaling_alpha", family.log_alpha)):
+        writer.add_float32(f"{arch}.{key}", value)
 
 
 def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrides: Any) -> dict:
@@ -372,8 +434,15 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
         writer.add_expert_count(hp["n_expert"])
         writer.add_expert_used_count(hp["n_expert_used"])
         writer.add_expert_feed_forward_length(hp["n_ff_exp"])
-    if arch == "gemma4":
-        add_gemma4_keys(writer, hp)
+    if arch in ("gemma4", "diffusion-gemma"):
+        add_gemma4_keys(writer, hp, arch)
+    if arch == "diffusion-gemma":
+        writer.add_bool(f"{arch}.attention.causal", False)
+        for key, value in hp["diffusion"].items():
+            (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"diffusion.{key}", value)
+    family = inkling_shape(hp, n_vocab) if arch == "inkling" else None
+    if family is not None:
+        add_inkling_keys(writer, hp, family)
     if arch == "qwen35moe":
         writer.add_expert_shared_feed_forward_length(hp["n_ff"])
     if arch in ("qwen35", "qwen35moe"):
@@ -408,7 +477,7 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
         n_ff_expert=hp.get("n_ff_exp", 0), layers=shapes, n_embd_per_layer=hp.get("n_embd_per_layer", 0),
         linear_attention=LinearAttention(hp["ssm_conv_kernel"], hp["ssm_key_heads"], hp["ssm_key_dim"],
                                          hp["ssm_value_heads"], hp["ssm_value_dim"])
-        if "ssm_conv_kernel" in hp else None)
+        if "ssm_conv_kernel" in hp else None, family=family)
     written_optional = set(hp.get("write_optional", ()))
     for tensor in ARCHITECTURES[arch].global_tensors(declared):
         if tensor.kind == FACTORS:  # "proportional" RoPE: the first quarter of the pairs rotate
@@ -427,6 +496,10 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
                 value = norm_weight(tensor.shape[0])
             elif tensor.name == "ssm_a":  # -exp(A_log): a decay, always negative
                 value = -np.exp(normal(tensor.shape, 0.5))
+            elif tensor.name == "ffn_gscale.weight":
+                value = norm_weight(1)
+            elif tensor.name.startswith("shortconv_"):  # small taps: y + conv(y) stays near y
+                value = normal(tensor.shape, 0.2)
             else:
                 # gain/sqrt(n_in) keeps a unit-variance input at unit variance; projections
                 # that write the residual stream use gain 0.5 so the token embedding is not

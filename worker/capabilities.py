@@ -1,7 +1,7 @@
 """What the loaded model can do, decided once from its vocabulary and chat template and sent to
 every gateway in MODEL_CARD (``shared.protocol.Capabilities``).
 
-Three conventions are known, each a way of marking reasoning and tool calls in a reply:
+These conventions are known, each a way of marking reasoning and tool calls in a reply:
 
 - ``hermes`` (the Qwen3 family and its kin): a reasoning block between ``<think>`` tags, and tool
   calls as Hermes blocks, JSON between ``<tool_call>`` tags;
@@ -11,11 +11,16 @@ Three conventions are known, each a way of marking reasoning and tool calls in a
   ``<|python_end|>`` (the caller runs it; its template knows no tool declarations);
 - ``qwen_xml`` (Qwen3.5, Qwen3-Coder): Hermes's tags, but a call block holds
   ``<function=NAME>`` and a ``<parameter=KEY>`` block per argument (``gateway/qwen_xml_calls.py``),
-  and a call that opens ends the reasoning, closed or not.
+  and a call that opens ends the reasoning, closed or not;
+- ``inkling``: a reply is a run of blocks, ``[NAME]<|content_KIND|>…<|end_message|>``, each after
+  the first opened by ``<|message_model|>``: thinking blocks are its reasoning, text blocks its
+  text, ``invoke_tool_json`` blocks its calls (``gateway/inkling_blocks.py``). Its markers are
+  control tokens, which the gateway keeps in the reply's text for this convention.
 
 The vocabulary says which convention a model follows (its marker tokens); the template says
-whether it thinks on request (it knows ``enable_thinking``), whether it calls tools, and, for
-Hermes's tags, whether its calls are JSON or tags (it writes ``<function=`` and ``<parameter=``).
+whether it thinks on request (it knows ``enable_thinking``; Inkling's, ``reasoning_effort``),
+whether it calls tools, and, for Hermes's tags, whether its calls are JSON or tags (it writes
+``<function=`` and ``<parameter=``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,11 @@ GEMMA4_CALL_TAGS = Tags("<|tool_call>", "<tool_call|>")
 GEMMA4_QUOTE = '<|"|>'
 
 
+INKLING_MESSAGE_MODEL, INKLING_END = "<|message_model|>", "<|end_message|>"
+INKLING_THINKING_TAGS = Tags("<|content_thinking|>", INKLING_END)
+INKLING_CALL_TAGS = Tags("<|content_invoke_tool_json|>", INKLING_END)
+
+
 @dataclass(frozen=True)
 class Convention:
     name: str  # the call format's name (Capabilities.tool_call_format)
@@ -40,6 +50,8 @@ class Convention:
     calls: Tags
     reasoning_tokens: tuple[str, ...]  # marker texts the vocabulary must hold as tokens
     call_tokens: tuple[str, ...]
+    reasoning_switch: str = "enable_thinking"  # the template variable that turns reasoning on
+    declares_tools: tuple[str, ...] = ("tools", "tool_call")  # a template that calls tools holds these
 
 
 NANOCHAT_CALL_TAGS = Tags("<|python_start|>", "<|python_end|>")
@@ -48,7 +60,11 @@ GEMMA4 = Convention("gemma4", GEMMA4_THOUGHT_TAGS, GEMMA4_CALL_TAGS, ("<|channel
                     ("<|tool_call>", "<tool_call|>", GEMMA4_QUOTE))
 NANOCHAT = Convention("nanochat", THINK_TAGS, NANOCHAT_CALL_TAGS, (), (NANOCHAT_CALL_TAGS.open, NANOCHAT_CALL_TAGS.close))
 QWEN_XML = Convention("qwen_xml", THINK_TAGS, HERMES_CALL_TAGS, HERMES.reasoning_tokens, HERMES.call_tokens)
-CONVENTIONS = (GEMMA4, NANOCHAT, HERMES)
+INKLING = Convention("inkling", INKLING_THINKING_TAGS, INKLING_CALL_TAGS,
+                     (INKLING_MESSAGE_MODEL, INKLING_THINKING_TAGS.open, INKLING_END),
+                     (INKLING_MESSAGE_MODEL, INKLING_CALL_TAGS.open, INKLING_END),
+                     reasoning_switch="reasoning_effort", declares_tools=("tools", "tool_declare"))
+CONVENTIONS = (INKLING, GEMMA4, NANOCHAT, HERMES)
 
 
 def _in_vocabulary(tokenizer: Tokenizer, texts: tuple[str, ...]) -> bool:
@@ -70,10 +86,11 @@ def convention(tokenizer: Tokenizer, template: ChatTemplate | None = None) -> Co
 
 def has_reasoning_switch(tokenizer: Tokenizer, template: ChatTemplate | None) -> bool:
     """A model can think on request when its vocabulary has its convention's reasoning markers
-    and its template knows the enable_thinking switch."""
-    markers = convention(tokenizer).reasoning_tokens
+    and its template knows the convention's switch (enable_thinking; Inkling's reasoning_effort)."""
+    found = convention(tokenizer)
+    markers = found.reasoning_tokens
     return (template is not None and bool(markers) and _in_vocabulary(tokenizer, markers)
-            and "enable_thinking" in template.source)
+            and found.reasoning_switch in template.source)
 
 
 def tool_call_tags(tokenizer: Tokenizer, template: ChatTemplate | None) -> Tags | None:
@@ -86,4 +103,4 @@ def tool_call_tags(tokenizer: Tokenizer, template: ChatTemplate | None) -> Tags 
     source = template.source
     if found is NANOCHAT:
         return found.calls if found.calls.open in source else None
-    return found.calls if "tools" in source and "tool_call" in source else None
+    return found.calls if all(text in source for text in found.declares_tools) else None

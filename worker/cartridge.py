@@ -105,8 +105,11 @@ class Cartridge:
             raise ModelLoadError(f"{path} holds {tokens} positions; a cartridge holds 1 to {(1 << PSEUDO_BITS) - 1}")
         here = model_identity(engine)
         if not engine.new_cache(1).rewindable:
-            raise ModelLoadError(f"{path}: this model keeps recurrent state beside its KV (linear attention), "
+            raise ModelLoadError(f"{path}: this model keeps recurrent state beside its KV (linear attention or short convolutions), "
                                  f"which a cartridge does not hold; it cannot serve one")
+        if engine.model.diffusion:
+            raise ModelLoadError(f"{path}: this model writes its replies a block at a time (text diffusion), "
+                                 f"which a cartridge was not trained for; it cannot serve one")
         if engine.model.reads_cache_tokens:
             raise ModelLoadError(f"{path}: this model reads the tokens its cache holds (nanochat's smear reads the "
                                  f"previous token), which a cartridge's positions have not; it cannot serve one")

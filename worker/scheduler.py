@@ -39,6 +39,7 @@ from worker import metrics
 from worker.engine import kernels
 from worker.engine import Engine
 from worker.cartridge import Cartridge, compose
+from worker.diffusion import CanvasWriter
 from worker.fleet import Fleet
 from worker.engine.sampling import Sampler
 from worker.grammar import GrammarEngine, error_text
@@ -112,6 +113,9 @@ class Stream:
     scores: list[list[Any]] | None = None
     cartridge: Cartridge | None = None  # the KV prefix it is served behind
     retrieve: bool = False  # a fleet chooses its cartridge before it is queued
+    # on a text-diffusion model: the block being denoised (None while a prompt or block is read)
+    writer: CanvasWriter | None = None
+    rng: np.random.Generator | None = None  # a text-diffusion stream's canvases and draws
 
     @property
     def prefix(self) -> int:
@@ -277,6 +281,8 @@ class Scheduler:
             raise InvalidRequestError(f"prompt token ids must lie in 0..{n_vocab - 1}")
         if not -1 <= request.prompt_logprobs <= MAX_PROMPT_ALTERNATIVES:
             raise InvalidRequestError(f"prompt_logprobs must lie in 0..{MAX_PROMPT_ALTERNATIVES} (or -1: none)")
+        if self.engine.model.diffusion:
+            self._check_diffusion(request)
         # a prompt may be scored and nothing generated (how evaluation harnesses score text)
         if request.max_tokens < (0 if request.prompt_logprobs >= 0 else 1):
             raise InvalidRequestError("max_tokens must be at least 1")
@@ -300,7 +306,21 @@ class Scheduler:
         sampler = script.sampler(params, prompt) if script is not None else Sampler(params, prompt)
         return Stream(gateway, request, params, sampler, stop_ids,
                       scores=[[None, []]] if request.prompt_logprobs >= 0 else None, cartridge=cartridge,
-                      retrieve=retrieve)
+                      retrieve=retrieve, rng=CanvasWriter.rng_for(params) if self.engine.model.diffusion else None)
+
+    @staticmethod
+    def _check_diffusion(request: Generate) -> None:
+        """What a text-diffusion model cannot do: its tokens are not drawn one by one from a
+        next-token distribution, so there is nothing to constrain token by token or to report
+        log-probabilities of."""
+        params = request.sampling
+        unsupported = [what for what, asked in (
+            ("constrained output (a grammar, JSON schema or forced tool call)", request.grammar is not None),
+            ("log-probabilities", params.logprobs or params.top_logprobs > 0 or request.prompt_logprobs >= 0),
+            ("cartridges", bool(request.cartridge_ids))) if asked]
+        if unsupported:
+            raise InvalidRequestError(f"this model writes its replies a block at a time (text diffusion): "
+                                      f"{', '.join(unsupported)} cannot be served on it")
 
     def _cartridge_of(self, request: Generate) -> Cartridge | None:
         """The cartridges a request names (by name or id), composed in its order, else the
@@ -441,7 +461,8 @@ class Scheduler:
                 batch.append((stream, chunk))
             elif stream.next_token is not None:
                 batch.append((stream, [stream.next_token]))
-        if not batch:
+        denoising = [s for s in self.running if s.writer is not None and not s.pending]
+        if not batch and not denoising:
             return
         started = time.perf_counter()
         # a prompt being scored needs the logits of all its rows: it goes through a pass of its own
@@ -451,8 +472,9 @@ class Scheduler:
         for stream, tokens in scored:
             by_stream[id(stream)] = self._score(stream, tokens)
         results = [by_stream[id(s)] for s, _ in batch]
+        denoised = self._denoise(denoising) if denoising else []
         metrics.STEP.observe(time.perf_counter() - started)
-        metrics.BATCH.observe(len(batch))
+        metrics.BATCH.observe(len(batch) + len(denoising))
         for stream, tokens in batch:
             metrics.STEP_TOKENS.labels("prefill" if stream.pending else "decode").inc(len(tokens))
         self.steps += 1
@@ -475,6 +497,15 @@ class Scheduler:
                     self._finish(stream, FinishReason.LENGTH)
                     continue
             sampling.append((stream, logits))
+        for stream, logits in zip(denoising, denoised):
+            if logits is not None:
+                stream.writer.advance(logits)
+                if stream.writer.done:
+                    self._write_block(stream)
+        if self.engine.model.diffusion:  # a prompt or block was read: the next block starts
+            for stream, _ in sampling:
+                self._start_block(stream)
+            return
         masks = self._masks([s for s, _ in sampling])
         for stream, logits in sampling:
             self._emit(stream, logits, masks.get(id(stream)))
@@ -537,6 +568,57 @@ class Scheduler:
                 results.append(None)
         return results
 
+    def _denoise(self, streams: list[Stream]) -> list[np.ndarray | None]:
+        """One denoising pass for every block being written, in one weight pass; if it fails,
+        each alone, so only the stream at fault ends."""
+        model = self.engine.model
+
+        def canvases(group: list[Stream]) -> list:
+            return [(s.slot.cache, s.writer.canvas.tolist(), s.writer.probs) for s in group]
+
+        try:
+            return model.denoise(canvases(streams))
+        except Exception:
+            log.exception("denoising pass failed for %d stream(s)", len(streams))
+        results: list[np.ndarray | None] = []
+        for stream in streams:
+            try:
+                results.append(model.denoise(canvases([stream]))[0])
+            except Exception:
+                log.exception("denoising pass failed for %s", stream.request.request_id)
+                self._finish(stream, FinishReason.ERROR, "the engine failed on this request")
+                results.append(None)
+        return results
+
+    def _start_block(self, stream: Stream) -> None:
+        """A text-diffusion stream has read its prompt or its last block: a new canvas, as long
+        as the context has room for one (a shorter one where it has less)."""
+        if stream not in self.running:
+            return
+        room = self.settings.ctx - (stream.prefix + len(stream.request.prompt) + stream.completion)
+        model = self.engine.model
+        length = min(model.settings.canvas_length, room)
+        if length <= 0:
+            self._finish(stream, FinishReason.CONTEXT)
+            return
+        stream.writer = CanvasWriter(model.settings, model.hp.n_vocab, length, stream.params, stream.rng)
+
+    def _write_block(self, stream: Stream) -> None:
+        """Send a finished block, cut after its first end-of-turn token or at max_tokens; the
+        reply ends there, or the block is read into the cache before the next one starts."""
+        request, block = stream.request, stream.writer.written()
+        stream.writer = None
+        kept = block[:request.max_tokens - stream.completion]
+        stop = next((i for i, token in enumerate(kept) if token in stream.stop_ids), None)
+        if stop is not None:
+            kept = kept[:stop + 1]
+        stream.completion += len(kept)
+        first = stream.completion == len(kept)
+        self.send(stream.gateway, Tokens(request.request_id, kept, cached_tokens=stream.cached if first else None))
+        metrics.STEP_TOKENS.labels("decode").inc(len(kept))
+        if not self._ended(stream, stop is not None):
+            stream.pending = list(kept)  # the encoder reads the block, then the next one starts
+
     def _score(self, stream: Stream, tokens: list[int]) -> np.ndarray | None:
         """A prompt chunk's pass with the logits of every row: each row scores the prompt token
         after it (its logprob and the best alternatives go to ``stream.scores``). Returns the
@@ -593,14 +675,22 @@ class Scheduler:
             [token.logprob] if wants_logprobs else None,
             [[[i, lp] for i, lp in token.top_logprobs]] if stream.params.top_logprobs else None,
             stream.cached if stream.completion == 1 else None))
-        if token.token_id in stream.stop_ids or grammar_done:
+        if not self._ended(stream, token.token_id in stream.stop_ids or grammar_done):
+            stream.next_token = token.token_id
+
+    def _ended(self, stream: Stream, stopped: bool) -> bool:
+        """Finish a stream whose reply is over (it stopped, reached max_tokens or filled the
+        context); whether it was."""
+        request = stream.request
+        if stopped:
             self._finish(stream, FinishReason.STOP)
         elif stream.completion >= request.max_tokens:
             self._finish(stream, FinishReason.LENGTH)
         elif stream.prefix + len(request.prompt) + stream.completion >= self.settings.ctx:
             self._finish(stream, FinishReason.CONTEXT)
         else:
-            stream.next_token = token.token_id
+            return False
+        return True
 
     def _finish(self, stream: Stream, reason: FinishReason, error: str | None = None) -> None:
         with self.lock:

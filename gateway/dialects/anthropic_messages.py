@@ -73,6 +73,9 @@ IGNORED = {
 THINKING_ON = ("enabled", "adaptive", "between_tools")
 THINKING_TYPES = THINKING_ON + ("disabled",)
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
+# a thinking budget as an effort word (for a model whose template takes one): the least budget
+# of each, in tokens
+BUDGET_EFFORTS = ((24_576, "max"), (8_192, "high"), (2_048, "medium"), (0, "low"))
 TOOL_CHOICES = ("auto", "any", "tool", "none")
 ROLES = ("user", "assistant", "system")
 TEXT_ONLY_BLOCKS = ("image", "document")
@@ -112,7 +115,7 @@ def _parse(body: dict[str, Any], view: ModelView, headers: Any, counting: bool) 
     # count_tokens has no max_tokens; a generation must say how long it may be.
     max_tokens = None if counting else _max_tokens(body)
     grammar = _output_format(body)
-    reasoning, display = _thinking(body, view)
+    reasoning, display, effort = _thinking(body, view)
     messages, prefill = _conversation(body)
     tool_choice, parallel = _tool_choice(body)
     return NeutralRequest(
@@ -131,6 +134,7 @@ def _parse(body: dict[str, Any], view: ModelView, headers: Any, counting: bool) 
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,
         reasoning=reasoning,
+        reasoning_effort=effort if reasoning else None,
         prefill=prefill,
         stream=bool(field(body, "stream", bool, default=False)),
         cache_hint=headers.get("x-claude-code-session-id") if headers is not None else None,
@@ -169,22 +173,26 @@ def _output_format(body: dict[str, Any]) -> dict[str, str] | None:
     return one_constraint(*formats, (GRAMMAR_FIELD, grammar_extension(body)))
 
 
-def _thinking(body: dict[str, Any], view: ModelView) -> tuple[bool, str | None]:
-    """Whether to open the reasoning channel, and the requested thinking display.
+def _thinking(body: dict[str, Any], view: ModelView) -> tuple[bool, str | None, str | None]:
+    """Whether to open the reasoning channel, the requested thinking display, and how hard to
+    think: output_config.effort, else the thinking budget as an effort word, else None.
 
     Asking a model without a reasoning channel to think is a no-op, never an error: Claude Code
     asks for thinking on every request to a Claude-4-style model name.
     """
     thinking = field(body, "thinking", dict)
     if thinking is None:
-        return False, None
+        return False, None, None
     kind = field(thinking, "type", str, "thinking", required=True)
     if kind not in THINKING_TYPES:
         raise InvalidRequestError(f"'thinking.type' must be one of {', '.join(THINKING_TYPES)}, got {kind!r}",
                                   param="thinking.type")
-    field(thinking, "budget_tokens", int, "thinking")
+    budget = field(thinking, "budget_tokens", int, "thinking")
     display = field(thinking, "display", str, "thinking")
-    return kind in THINKING_ON and view.has_reasoning_channel, display
+    effort = field(field(body, "output_config", dict, default={}), "effort", str, "output_config")
+    if effort is None and budget is not None:
+        effort = next(word for least, word in BUDGET_EFFORTS if budget >= least)
+    return kind in THINKING_ON and view.has_reasoning_channel, display, effort
 
 
 # --- messages -------------------------------------------------------------------------------

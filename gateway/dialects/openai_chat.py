@@ -98,6 +98,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     sampling = openai_sampling(body, view, logprobs, top_logprobs)
     effort = field(body, "reasoning_effort", str)
+    reasoning = reasoning_from_effort(effort, view, "reasoning_effort", reject_unsupported=True)
     return NeutralRequest(
         dialect=CHAT,
         model=field(body, "model", str, default=view.model_id),
@@ -108,7 +109,8 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         tools=[_tool(t, i) for i, t in enumerate(field(body, "tools", list, default=[]))],
         tool_choice=_tool_choice(body.get("tool_choice", "auto")),
         parallel_tool_calls=bool(field(body, "parallel_tool_calls", bool, default=True)),
-        reasoning=reasoning_from_effort(effort, view, "reasoning_effort", reject_unsupported=True),
+        reasoning=reasoning,
+        reasoning_effort=effort if reasoning else None,
         stream=stream,
         ignore_eos=bool(field(body, "ignore_eos", bool, default=False)),
         cache_hint=field(body, "prompt_cache_key", str),

@@ -284,6 +284,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,
         reasoning=reasoning,
+        reasoning_effort=effort if reasoning else None,
         stream=bool(field(body, "stream", bool, default=False)),
         ignore_eos=bool(field(body, "ignore_eos", bool, default=False)),
         cache_hint=cache_key,

@@ -115,7 +115,7 @@ def test_undecodable_tensor_type_is_named(tiny_llama, tmp_path):
 
 def test_unsupported_architecture_is_named(tmp_path):
     _write(tmp_path / "a.gguf", {"w": (np.zeros(4, np.float32), None)}, arch="mamba9")
-    with pytest.raises(ModelLoadError, match=r"'mamba9' is not supported \(supported: gemma3, gemma4, llama, nanochat, qwen3, qwen35, qwen35moe, qwen3moe\)"):
+    with pytest.raises(ModelLoadError, match=r"'mamba9' is not supported \(supported: diffusion-gemma, gemma3, gemma4, inkling, llama, nanochat, qwen3, qwen35, qwen35moe, qwen3moe\)"):
         load_model(GGUFFile(tmp_path / "a.gguf"))
 
 

@@ -31,7 +31,7 @@ from worker.engine.ops import log_softmax
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
-def _fixture(name: str) -> dict:
+def logit_fixture(name: str) -> dict:
     data = np.load(FIXTURES / f"logits_{name}.npz")
     return {key: data[key] for key in data.files} | {"meta": json.loads(str(data["meta"]))}
 
@@ -87,7 +87,7 @@ ROUNDED_ACTIVATIONS = {"qwen3_q2_0": (0.4, 0.1)}  # 0.30 with an f16 cache
 @pytest.mark.parametrize("kv_type", sorted(KV_TOLERANCE))
 @pytest.mark.parametrize("name", TINY_FIXTURES)
 def test_tiny_model_logits_match_llama_cpp(name, kv_type, tmp_path):
-    fixture = _fixture(f"{name}_tiny")
+    fixture = logit_fixture(f"{name}_tiny")
     rebuild = fixture["meta"]["model"]
     arch, overrides = TINY_FIXTURES[name]
     assert rebuild.get("overrides", {}) == json.loads(json.dumps(overrides)), "regenerate the fixture"
@@ -111,13 +111,13 @@ def test_tiny_model_logits_match_llama_cpp(name, kv_type, tmp_path):
 # (scripts/regen_transformers_fixtures.py). It computes GELU
 # exactly, so no table slack: measured 8e-6 (gemma3), 2.3e-5 (gemma4), 1.2e-5 (gemma4_e),
 # 2.5e-5 (qwen35; 3.0e-4 with an f16 cache), 2.7e-4 (qwen35moe) max |Δlogit| with an f32 cache.
-TRANSFORMERS_FIXTURES = ("gemma3", "gemma4", "gemma4_e", "qwen35", "qwen35moe")
+TRANSFORMERS_FIXTURES = ("gemma3", "gemma4", "gemma4_e", "qwen35", "qwen35moe", "inkling")
 
 
 @pytest.mark.parametrize("kv_type", sorted(KV_TOLERANCE))
 @pytest.mark.parametrize("name", TRANSFORMERS_FIXTURES)
 def test_tiny_model_logits_match_transformers(name, kv_type, tmp_path):
-    fixture = _fixture(f"{name}_tiny_hf")
+    fixture = logit_fixture(f"{name}_tiny_hf")
     arch, overrides = TINY_SPECS[name]
     assert fixture["meta"]["model"]["overrides"] == json.loads(json.dumps(overrides)), "regenerate the fixture"
     path = tmp_path / f"{name}.gguf"
@@ -141,7 +141,7 @@ def smollm2_served(default_model):
 
 
 def test_smollm2_served_path_tracks_llama_cpp(smollm2_served):
-    fixture = _fixture("smollm2")
+    fixture = logit_fixture("smollm2")
     n = len(fixture["tokens"])
     for chunks in ([n], [16, n - 16]):
         ours = _logits(smollm2_served, fixture, chunks).astype(np.float64)
@@ -164,7 +164,7 @@ def test_smollm2_served_path_tracks_llama_cpp(smollm2_served):
 
 
 def test_smollm2_logits_match_llama_cpp_on_the_dequantized_weights(smollm2):
-    fixture = _fixture("smollm2")
+    fixture = logit_fixture("smollm2")
     n = len(fixture["tokens"])
     max_logit, max_logprob = _compare(smollm2, fixture, [n])
     assert max_logit < 5e-3, f"max |Δlogit| {max_logit}"
@@ -173,7 +173,7 @@ def test_smollm2_logits_match_llama_cpp_on_the_dequantized_weights(smollm2):
 
 
 def test_smollm2_greedy_continuation_matches_llama_cpp(smollm2):
-    fixture = _fixture("smollm2")
+    fixture = logit_fixture("smollm2")
     prompt = fixture["tokens"].tolist()
     expected = fixture["greedy_ids"].tolist()
     cache = smollm2.new_cache(len(prompt) + len(expected) + 1)
@@ -210,7 +210,7 @@ def test_compiled_block_steps_match_the_step_by_step_path(arch, tmp_path):
     """The three compiled calls of a block (kernels/fused.py) against the same block computed
     op by op in ops.py (the path of layers the compiled steps cannot take), on the tiny F32
     models where no int8 rounding hides a wiring mistake (measured: 1.2e-4 llama, 3e-5 qwen3)."""
-    fixture = _fixture(f"{arch}_tiny")
+    fixture = logit_fixture(f"{arch}_tiny")
     rebuild = fixture["meta"]["model"]
     path = tmp_path / f"{arch}.gguf"
     write_tiny_gguf(path, rebuild.get("arch", arch), seed=rebuild.get("seed", 0), **rebuild.get("overrides", {}))

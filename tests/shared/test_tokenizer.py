@@ -100,6 +100,9 @@ def test_incremental_decoder_skip_special(qwen_tokenizer):
     ids = qwen_tokenizer.encode("<think>hm</think>ok<|im_end|>")
     decoder = qwen_tokenizer.incremental_decoder(skip_special=True)
     assert decoder.push_many(ids) == "<think>hm</think>ok"
+    ids = qwen_tokenizer.encode("<|im_start|>ok<|im_end|><|endoftext|>")
+    keeping = qwen_tokenizer.incremental_decoder(skip_special=True, keep=frozenset({qwen_tokenizer.piece_to_id("<|im_end|>")}))
+    assert keeping.push_many(ids) == "ok<|im_end|>"
 
 
 def test_decode_skip_special_keeps_user_defined_tokens(qwen_tokenizer):

@@ -1,6 +1,6 @@
 """Capabilities from a real vocabulary and template: Qwen3's (think tags with the enable_thinking
-switch, Hermes call tags), Gemma 4's (a thought channel, its own call blocks) and SmolLM2's
-(neither)."""
+switch, Hermes call tags), Gemma 4's (a thought channel, its own call blocks), Inkling's (blocks,
+with the reasoning_effort switch) and SmolLM2's (neither)."""
 
 from __future__ import annotations
 
@@ -55,3 +55,20 @@ def test_a_vocabulary_without_markers_follows_hermes_and_has_neither(smollm_toke
     from worker.capabilities import HERMES, convention
 
     assert convention(smollm_tokenizer) is HERMES
+
+
+def test_inkling_thinks_by_its_effort_and_calls_in_its_blocks():
+    from inkling_vocab import inkling_vocab_metadata
+
+    from shared.tokenizer import Tokenizer
+    from worker.capabilities import INKLING, INKLING_CALL_TAGS, convention
+
+    metadata = inkling_vocab_metadata()
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    template = chat_template_from_metadata(metadata)
+    assert convention(tokenizer) is INKLING
+    assert has_reasoning_switch(tokenizer, template)
+    assert tool_call_tags(tokenizer, template) == INKLING_CALL_TAGS
+    # a template that knows neither the effort nor the tool declaration: neither
+    plain = ChatTemplate("{% for m in messages %}<|message_user|>{{ m['content'] }}{% endfor %}{{ tools }}")
+    assert not has_reasoning_switch(tokenizer, plain) and tool_call_tags(tokenizer, plain) is None

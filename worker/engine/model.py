@@ -78,6 +78,7 @@ class HParams:
     layers: tuple[LayerShape, ...] = ()  # per-layer geometry where layers differ; () where they do not
     n_embd_per_layer: int = 0  # width of per-layer token embeddings (0: none)
     linear_attention: LinearAttention | None = None  # the recurrent layers' geometry, where there are any
+    family: Any = None  # what only one family's layers need (a dataclass of its own file)
 
     def layer(self, i: int) -> LayerShape:
         return self.layers[i] if self.layers else LayerShape(self.n_head_kv, self.head_dim)
@@ -190,6 +191,9 @@ class ForwardPass:
     spans: list[tuple[int, int]]  # row range of each sequence in the stacked [T, D] input
     rope: list[tuple[np.ndarray, np.ndarray, bool]]  # per layer: cos, sin [T, dims/2] of every row; adjacent
     layer_inputs: Any = None  # what ``layer_inputs`` gave for these rows
+    # a diffusion canvas (``DiffusionGemmaModel.denoise``): its rows see each other both ways
+    # and are written to no cache
+    canvas: bool = False
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,8 @@ class DecoderModel:
     has_output_norm: ClassVar[bool] = True  # False: the final RMSNorm has no weight
     # the forward pass reads the token ids a cache holds (not only its keys and values)
     reads_cache_tokens: bool = False
+    # replies are written a block at a time by denoising passes (``denoise``), not token by token
+    diffusion: ClassVar[bool] = False
 
     def __init__(self, gguf: GGUFFile, exact: bool = False, kv_type: str = "f16"):
         self.path = gguf.path

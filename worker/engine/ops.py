@@ -142,6 +142,50 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_
     return out.reshape(n_kv, n_tokens, group, value_dim).transpose(1, 0, 2, 3).reshape(n_tokens, n_head * value_dim)
 
 
+def masked_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_pos: int, scale: float,
+                     window: int = 0, bias: np.ndarray | None = None, causal: bool = True) -> np.ndarray:
+    """Attention of T queries over L keys in plain numpy, for what the compiled kernel does not
+    take: a bias per backward distance, or queries that see every key.
+
+    q [T, H, d]; keys, values [K, L, d] (float32 or float16; query head h reads KV head
+    h // (H / K)). Causal: query t, at position first_pos + t, sees key j iff j ≤ its position
+    and, with a window, iff position − j < window; otherwise every query sees every key. With
+    ``bias`` [T, H, E], query t's score of a key at distance 0 ≤ p − j < E gains bias[t, h, p − j].
+    Queries go in blocks whose scores fit SCORES_BUDGET, over the keys the block can see.
+    Returns [T, H*d]."""
+    n_tokens, n_head, head_dim = q.shape
+    n_kv, n_keys, value_dim = values.shape
+    group = n_head // n_kv
+    q = q * np.float32(scale)
+    out = np.empty((n_tokens, n_head, value_dim), dtype=np.float32)
+    t0 = 0
+    while t0 < n_tokens:
+        lo = max(0, first_pos + t0 - window + 1) if causal and window else 0
+        seen = (first_pos + n_tokens if causal else n_keys) - lo
+        block = max(1, min(n_tokens - t0, SCORES_BUDGET // (4 * n_head * max(1, seen))))
+        t1 = t0 + block
+        hi = first_pos + t1 if causal else n_keys
+        k_b = keys[:, lo:hi].astype(np.float32)
+        v_b = values[:, lo:hi].astype(np.float32)
+        q_b = q[t0:t1].reshape(t1 - t0, n_kv, group, head_dim)
+        scores = np.einsum("tkgd,kld->tkgl", q_b, k_b).reshape(t1 - t0, n_head, hi - lo)
+        distance = (first_pos + np.arange(t0, t1))[:, None] - np.arange(lo, hi)[None, :]  # [Tb, Lb]
+        if bias is not None:
+            extent = bias.shape[-1]
+            near = (distance >= 0) & (distance < extent)
+            index = np.broadcast_to(np.clip(distance, 0, extent - 1)[:, None, :], scores.shape)
+            scores += np.where(near[:, None, :], np.take_along_axis(bias[t0:t1], index, axis=-1), 0.0)
+        if causal:
+            hidden = distance < 0
+            if window:
+                hidden |= distance >= window
+            scores[np.broadcast_to(hidden[:, None, :], scores.shape)] = -np.inf
+        weights = softmax(scores, axis=-1).reshape(t1 - t0, n_kv, group, hi - lo)
+        out[t0:t1] = np.einsum("tkgl,kld->tkgd", weights, v_b).reshape(t1 - t0, n_head, value_dim)
+        t0 = t1
+    return out.reshape(n_tokens, n_head * value_dim)
+
+
 def _exp_in_place(scores: np.ndarray, softcap: float | None) -> np.ndarray:
     """Scaled scores -> the softmax's numerators, in place (after the softcap, if any); returns
     their sums over the keys, by which the caller divides the attention output."""

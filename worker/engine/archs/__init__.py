@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from shared.errors import ModelLoadError
+from worker.engine.archs.diffusion_gemma import DiffusionGemmaModel
 from worker.engine.archs.gemma3 import Gemma3Model
 from worker.engine.archs.gemma4 import Gemma4Model
+from worker.engine.archs.inkling import InklingModel
 from worker.engine.archs.llama import LlamaModel
 from worker.engine.archs.nanochat import NanochatModel
 from worker.engine.archs.qwen3 import Qwen3Model
@@ -15,8 +17,10 @@ from worker.engine.gguf_file import GGUFFile
 from worker.engine.model import DecoderModel
 
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
+    "diffusion-gemma": DiffusionGemmaModel,
     "gemma3": Gemma3Model,
     "gemma4": Gemma4Model,
+    "inkling": InklingModel,
     "llama": LlamaModel,
     "nanochat": NanochatModel,
     "qwen3": Qwen3Model,

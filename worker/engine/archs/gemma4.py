@@ -187,20 +187,29 @@ class Gemma4Model(DecoderModel):
         x *= np.float32(np.sqrt(self.hp.n_embd))
         return x
 
-    def self_attention(self, i: int, h: np.ndarray, fp: ForwardPass) -> np.ndarray:
+    def project(self, i: int, h: np.ndarray, fp: ForwardPass) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Layer i's Q, K and V of normed rows h: per-head norms, RoPE on Q and K; K and V are
+        None on a layer that reads another's KV."""
         layer, shape, hp, eps = self.layers[i], self.hp.layer(i), self.hp, self.hp.rms_eps
         n, head = h.shape[0], shape.head_dim
         inp = MatmulInput(h)
         cos, sin, _ = fp.rope[i]
         q = ops.rms_norm(ops.linear(inp, layer["wq"]).reshape(n, hp.n_head, head), layer["q_norm"], eps)
         q = ops.apply_rope(q, cos, sin)
+        if shape.kv_from is not None:
+            return q, None, None
+        k = ops.linear(inp, layer["wk"]).reshape(n, shape.n_head_kv, head)
+        v = ops.linear(inp, layer["wv"]).reshape(k.shape) if "wv" in layer else k
+        v = ops.rms_norm(v, None, eps)
+        k = ops.apply_rope(ops.rms_norm(k, layer["k_norm"], eps), cos, sin)
+        return q, k, v
+
+    def self_attention(self, i: int, h: np.ndarray, fp: ForwardPass) -> np.ndarray:
+        layer, shape, hp = self.layers[i], self.hp.layer(i), self.hp
+        q, k, v = self.project(i, h, fp)
         options = self.attention_options[i]
-        out = np.empty((n, hp.n_head * head), dtype=np.float32)
+        out = np.empty((h.shape[0], hp.n_head * shape.head_dim), dtype=np.float32)
         if shape.kv_from is None:
-            k = ops.linear(inp, layer["wk"]).reshape(n, shape.n_head_kv, head)
-            v = ops.linear(inp, layer["wv"]).reshape(k.shape) if "wv" in layer else k
-            v = ops.rms_norm(v, None, eps)
-            k = ops.apply_rope(ops.rms_norm(k, layer["k_norm"], eps), cos, sin)
             for cache, (start, end) in zip(fp.caches, fp.spans):
                 keys, values = cache.write(i, k[start:end], v[start:end])
                 out[start:end] = ops.causal_attention(q[start:end], keys, values, cache.length, options.scale,
@@ -245,9 +254,14 @@ class Gemma4Model(DecoderModel):
         if fp.layer_inputs is not None:
             gated = ops.gelu_tanh(ops.linear(out, layer["ple_gate"])) * fp.layer_inputs[:, i]
             out = out + ops.rms_norm(ops.linear(gated, layer["ple_proj"]), layer["ple_norm"], eps)
-        if "output_scale" in layer:
-            out *= layer["output_scale"]
+        scale = self.output_scale(layer, fp)
+        if scale is not None:
+            out *= scale
         return out
+
+    def output_scale(self, layer: dict[str, Any], fp: ForwardPass) -> np.ndarray | None:
+        """What multiplies a layer's output (``layer_output_scale``; None: nothing)."""
+        return layer.get("output_scale")
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         logits = super().logits(x)

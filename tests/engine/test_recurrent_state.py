@@ -1,7 +1,8 @@
-"""qwen35's recurrent state in the KV cache: a cache holds its whole length or nothing, a
-conversation's next turn continues the state it left in its slot or restores it from the
-kvstore (the same tokens as a cold run), and a cartridge, which holds no state, is refused
-plainly. Its logits against llama.cpp and transformers are in test_parity.py."""
+"""Recurrent state in the KV cache, of qwen35's linear-attention layers and of inkling's short
+convolutions: a cache holds its whole length or nothing, a conversation's next turn continues
+the state it left in its slot or restores it from the kvstore (the same tokens as a cold run),
+and a cartridge, which holds no state, is refused plainly. Their logits against the references
+are in test_parity.py."""
 
 from __future__ import annotations
 
@@ -20,19 +21,28 @@ from worker.scheduler import Scheduler, SchedulerSettings
 TURN = list(range(1000, 1030))
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen35") / "qwen35.gguf"
-    write_tiny_gguf(path, "qwen35", context_length=512)
+# each family's layers that keep state, and the number of states each keeps
+STATE_LAYERS = {"qwen35": ([0, 1, 2], 2),  # the convolution's inputs and the delta rule's state
+                "inkling": ([0, 1, 2, 3], 4)}  # the inputs of its four convolutions
+
+
+@pytest.fixture(scope="module", params=sorted(STATE_LAYERS))
+def engine(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param) / f"{request.param}.gguf"
+    write_tiny_gguf(path, request.param, context_length=512)
     return Engine.load(path, kv_type="f32")
 
 
 def test_a_recurrent_cache_holds_all_or_nothing(engine):
     model = engine.model
     cache = model.new_cache(64)
-    assert not cache.rewindable and model.kv_index == {3: 0}  # only the full-attention layer keeps KV
+    assert not cache.rewindable
+    if model.architecture == "qwen35":
+        assert model.kv_index == {3: 0}  # only the full-attention layer keeps KV
     model.forward([(cache, TURN)])
-    assert cache.length == len(TURN) and sorted(cache.recurrent) == [0, 1, 2]
+    layers, states = STATE_LAYERS[model.architecture]
+    assert cache.length == len(TURN) and sorted(cache.recurrent) == layers
+    assert {len(held) for held in cache.recurrent.values()} == {states}
     assert cache.common_prefix(TURN + [5, 6]) == len(TURN)  # a continuation: all of it
     assert cache.common_prefix(TURN[:10] + [5]) == 0  # a shorter or other prompt: nothing
     cache.truncate(len(TURN))
