@@ -44,13 +44,15 @@ def main(argv: list[str] | None = None) -> int:
         prompt = tokenizer.encode(text, add_special=False)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     decoder = tokenizer.incremental_decoder(skip_special=True)
-    times: list[float] = []
+    times: list[float] = []  # when each TOKENS message came
+    counts: list[int] = []  # and how many tokens it held (a text-diffusion model sends blocks)
     finished: list[Finished] = []
     refused: list[Rejected] = []
 
     def receive(_gateway: bytes, message: Message) -> None:
         if isinstance(message, Tokens):
             times.append(time.perf_counter())
+            counts.append(len(message.ids))
             for token_id in message.ids:
                 sys.stdout.write(decoder.push(token_id))
             sys.stdout.flush()
@@ -75,6 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     decode = times[-1] - times[0] if len(times) > 1 else 0.0
     print(f"[{done.prompt_tokens} prompt tokens at {done.prompt_tokens / prefill if prefill else 0.0:.1f} tok/s "
           f"prefill; {done.completion_tokens} completion tokens at "
-          f"{(len(times) - 1) / decode if decode else 0.0:.1f} tok/s decode; finish: {done.reason.value}]",
+          f"{sum(counts[1:]) / decode if decode else 0.0:.1f} tok/s decode; finish: {done.reason.value}]",
           file=sys.stderr)
     return 1 if done.reason == FinishReason.ERROR else 0

@@ -38,3 +38,14 @@ def test_a_prompt_beyond_the_context_is_refused_with_the_reason(tiny):
     done = _generate(tiny, "--prompt", " ".join(["word"] * 400), "--raw", "--max-tokens", "4")
     assert done.returncode == 2
     assert "prompt is too long" in done.stderr
+
+
+def test_a_diffusion_model_writes_its_blocks_and_reports_tokens_per_second(tmp_path):
+    path = tmp_path / "diffusion-gemma.gguf"
+    write_tiny_gguf(path, "diffusion-gemma")  # canvases of 8
+    done = _generate(path, "--prompt", "one two three", "--raw", "--max-tokens", "12", "--temperature", "0")
+    assert done.returncode == 0, done.stderr
+    report = re.search(r"(\d+) completion tokens at ([\d.]+) tok/s decode; finish: (\w+)\]", done.stderr)
+    assert report, done.stderr
+    # two blocks, 8 and 4 tokens (the rate is the second's over its time), or an end of turn sooner
+    assert (int(report[1]), report[3]) == (12, "length") and float(report[2]) > 0 or report[3] == "stop"
