@@ -77,6 +77,15 @@ def test_several_canvases_in_one_pass_are_each_alone(engine):
     np.testing.assert_allclose(together[1], model.denoise([(second, list(range(40, 48)), None)])[0], atol=1e-4)
 
 
+def test_the_expected_embedding_reads_only_the_weighted_rows_of_a_file_table(model_path):
+    held = load_model(GGUFFile(model_path))  # the table as the file holds it
+    dense = load_model(GGUFFile(model_path), exact=True)  # float32, multiplied whole
+    assert type(held.token_embd) is not type(dense.token_embd)
+    probs = softmax(np.random.default_rng(4).standard_normal((8, held.hp.n_vocab)).astype(np.float32) * 8)
+    probs[:, ::2] = 0.0  # half the vocabulary with no weight at all
+    np.testing.assert_allclose(held.soft_embedding(probs), dense.soft_embedding(probs), rtol=1e-4, atol=1e-5)
+
+
 # --- the sampler ------------------------------------------------------------------------------
 
 def _writer(settings: DiffusionSettings, temperature: float = 0.0, seed: int = 3, n_vocab: int = 5,

@@ -33,8 +33,8 @@ from worker.engine.kv_cache import KVCache
 from worker.engine.model import NORM, ForwardPass, HParams, LayerTensor
 from worker.engine.weights import DenseWeight
 
-SOFT_EMBEDDING_ROWS = 16384  # vocabulary rows dequantized at once for the expected embedding
-NEGLIGIBLE = 1e-9  # a block of the vocabulary whose probabilities are all below this is skipped
+SOFT_EMBEDDING_ROWS = 16384  # embedding rows dequantized at once for the expected embedding
+NEGLIGIBLE = 1e-9  # a token no canvas row gives this much probability is left out of it
 
 
 @dataclass(frozen=True)
@@ -128,17 +128,18 @@ class DiffusionGemmaModel(Gemma4Model):
 
     def soft_embedding(self, probs: np.ndarray) -> np.ndarray:
         """The expected scaled embedding under each row's distribution: probs [C, vocab] · E · √d.
-        A quantized table is read a block of rows at a time, skipping blocks no row gives
-        weight to."""
+        A quantized table is read only in the rows of tokens some canvas row gives weight to
+        (a probability of at least NEGLIGIBLE: at most vocab × NEGLIGIBLE of a row's mass is
+        left out), a block of them at a time."""
         scale = np.float32(np.sqrt(self.hp.n_embd))
         table = self.token_embd
         if isinstance(table, DenseWeight):
             return (probs.astype(np.float32) @ table.values) * scale
         out = np.zeros((probs.shape[0], self.hp.n_embd), dtype=np.float32)
-        for start in range(0, probs.shape[1], SOFT_EMBEDDING_ROWS):
-            part = probs[:, start:start + SOFT_EMBEDDING_ROWS]
-            if part.max() >= NEGLIGIBLE:
-                out += part.astype(np.float32) @ table.rows(np.arange(start, start + part.shape[1]))
+        weighted = np.nonzero(probs.max(axis=0) >= NEGLIGIBLE)[0]
+        for start in range(0, len(weighted), SOFT_EMBEDDING_ROWS):
+            ids = weighted[start:start + SOFT_EMBEDDING_ROWS]
+            out += probs[:, ids].astype(np.float32) @ table.rows(ids)
         return out * scale
 
     def self_conditioning(self, signal: np.ndarray) -> np.ndarray:
