@@ -147,9 +147,12 @@ async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest
         max_tokens = 0  # the prompt scored, nothing generated
     # A forced call's grammar, or the format the client asked for (plan refuses both at once).
     grammar = tools.grammar or request.grammar
+    # An Inkling forced call's grammar holds the whole reply, its thinking block included: the
+    # end of that block is the end of any block, which the worker cannot wait for
+    after_reasoning = request.grammar_after_reasoning and not (view.writes_blocks and tools.grammar is not None)
     worker_request = Generate(workers.new_request_id(), prompt, request.sampling, max_tokens,
                               grammar=Grammar(**grammar) if grammar is not None else None,
-                              grammar_after_reasoning=grammar is not None and request.grammar_after_reasoning,
+                              grammar_after_reasoning=grammar is not None and after_reasoning,
                               cache_hint=request.cache_hint, stop_ids=[] if request.ignore_eos else None,
                               cartridge_ids=list(request.cartridges),
                               **(_retrieval(view, request, prompt) if view.card.capabilities.fleet else {}),

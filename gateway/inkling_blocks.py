@@ -189,14 +189,15 @@ def _call_schema(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
 
 
 def lark(tokenizer: Tokenizer, functions: list[tuple[str, dict[str, Any]]], parallel: bool,
-         optional: bool = False, lead: bool = False) -> str | None:
+         optional: bool = False, thinking: bool = False) -> str | None:
     """A Lark grammar (llguidance) of call blocks of these (name, arguments schema) tools, the
     markers named by their token ids; None when the vocabulary lacks one of them.
 
-    The grammar starts where the reply does, right after the prompt's ``<|message_model|>``, so
-    the first block has none of its own; ``lead``: it starts after the end of a reasoning block
-    instead, so the first call opens with ``<|message_model|>``. ``optional``: thinking and text
-    blocks (with no author name), then a call or none."""
+    The grammar holds the whole reply, from right after the prompt's ``<|message_model|>`` (so
+    the first block has none of its own). ``thinking``: a thinking block may come first (with
+    reasoning on; its end marker ends any block, so the grammar cannot wait for it as it waits
+    for ``</think>``). ``optional``: thinking and text blocks (with no author name), then a call
+    or none."""
     ids = {marker: tokenizer.piece_to_id(marker) for marker in MARKERS}
     if None in ids.values():
         return None
@@ -213,5 +214,7 @@ def lark(tokenizer: Tokenizer, functions: list[tuple[str, dict[str, Any]]], para
         first = f"{block} ({token[MESSAGE_MODEL]} {block})*"
     else:  # one call at most, and the reply ends with it
         first = f"(free {token[MESSAGE_MODEL]})* (free | tc)" if optional else "tc"
-    start = f"start: {token[MESSAGE_MODEL] + ' ' if lead else ''}{first}"
+    if thinking:
+        lines += [f"thought: {token[THINKING]} THOUGHT {token[END]} {token[MESSAGE_MODEL]}", "THOUGHT: /(.|\\n)*/"]
+    start = f"start: {'thought? ' if thinking else ''}{first}"
     return "\n".join([start, *lines]) + "\n"

@@ -260,7 +260,7 @@ def calls_lark(view: ModelView, request: NeutralRequest, tools: list[dict[str, A
         if view.tool_call_format == QWEN_XML:
             return qwen_xml_calls.lark(functions, tags.open, tags.close, parallel, optional,
                                        lead=request.grammar_after_reasoning)
-        grammar = inkling_blocks.lark(view.tokenizer, functions, parallel, optional, lead=request.grammar_after_reasoning)
+        grammar = inkling_blocks.lark(view.tokenizer, functions, parallel, optional, thinking=request.reasoning)
         if grammar is None:
             raise InvalidRequestError("this model's vocabulary lacks its block tokens; tool_choice cannot force a call")
         return grammar

@@ -4,10 +4,11 @@ A block starts as a canvas of random tokens. Each denoising pass (``DiffusionGem
 gives logits for every canvas position; ``CanvasWriter.advance`` then
 
 - divides them by the step's temperature, t = t_min + (t_max − t_min)·s/S for s = S … 1 (the
-  model's schedule, times the request's temperature);
-- draws a token per position from that distribution (the most likely one at temperature 0),
-  and accepts the positions of lowest entropy while the entropies of those accepted before
-  sum to at most the entropy bound; every other position gets a fresh random token;
+  model's schedule);
+- draws a token per position from that distribution, sharpened or flattened by the request's
+  temperature (the most likely one at temperature 0), and accepts the positions of lowest
+  entropy (of the schedule's distribution) while the entropies of those accepted before sum to
+  at most the entropy bound; every other position gets a fresh random token;
 - keeps the distribution for the next pass's self-conditioning;
 - is done when the most likely canvas has not changed for ``stability_threshold`` passes and
   the mean entropy is below ``confidence_threshold``, or after S passes.
@@ -30,6 +31,7 @@ from shared.sampling_params import SamplingParams
 from worker.engine.archs.diffusion_gemma import DiffusionSettings
 
 GREEDY_SEED = 0
+DRAW_ROWS = 16  # positions drawn at once (each a cumulative distribution over the vocabulary)
 
 
 class CanvasWriter:
@@ -60,21 +62,19 @@ class CanvasWriter:
         return s.t_min + (s.t_max - s.t_min) * self.steps_left / s.max_steps
 
     def advance(self, logits: np.ndarray) -> None:
-        """Take one pass's logits [C, vocab] into the canvas."""
+        """Take one pass's logits [C, vocab] into the canvas. Float32 and two [C, vocab] arrays
+        at most: a real canvas's logits are 256 × 262,144."""
         settings = self.settings
-        scaled = logits.astype(np.float64) / (self.step_temperature() * (self.temperature or 1.0))
+        scaled = logits.astype(np.float32) / np.float32(self.step_temperature())  # the schedule's logits
         scaled -= scaled.max(axis=-1, keepdims=True)
-        probs = np.exp(scaled)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            entropy = -np.where(probs > 0, probs * np.log(probs), 0.0).sum(axis=-1)
         best = scaled.argmax(axis=-1)
-        if self.temperature == 0:
-            drawn = best
-        else:  # one draw per position by inverting its cumulative distribution
-            cumulative = np.cumsum(probs, axis=-1)
-            drawn = (cumulative < self.rng.random((len(probs), 1)) * cumulative[:, -1:]).sum(axis=-1)
-            drawn = np.minimum(drawn, self.n_vocab - 1)
+        drawn = best if self.temperature == 0 else self._draw(scaled)
+        probs = np.exp(scaled)
+        totals = probs.sum(axis=-1)
+        # H = ln Z − Σ p·s over the shifted logits s, with p = e^s / Z
+        entropy = np.log(totals) - np.einsum("ij,ij->i", probs, scaled) / totals
+        del scaled
+        probs /= totals[:, None]
         order = np.argsort(entropy, kind="stable")
         before = np.cumsum(entropy[order]) - entropy[order]  # entropy of the positions accepted before
         accepted = np.zeros(len(entropy), dtype=bool)
@@ -85,11 +85,23 @@ class CanvasWriter:
                   or (len(self.recent) == settings.stability_threshold
                       and all(np.array_equal(held, best) for held in self.recent)))
         self.recent.append(best)
-        self.probs = probs.astype(np.float32)
+        self.probs = probs
         self.best = best
         self.steps_left -= 1
         self.passes += 1
         self.done = self.steps_left == 0 or (stable and float(entropy.mean()) < settings.confidence_threshold)
+
+    def _draw(self, scaled: np.ndarray) -> np.ndarray:
+        """One token per position from softmax(scaled / the request's temperature), by inverting
+        the cumulative distribution, a block of positions at a time."""
+        drawn = np.empty(len(scaled), dtype=np.int64)
+        for start in range(0, len(scaled), DRAW_ROWS):
+            part = scaled[start:start + DRAW_ROWS] / np.float32(self.temperature)
+            np.exp(part - part.max(axis=-1, keepdims=True), out=part)
+            np.cumsum(part, axis=-1, out=part)
+            threshold = self.rng.random((len(part), 1)) * part[:, -1:]
+            drawn[start:start + len(part)] = np.minimum((part < threshold).sum(axis=-1), self.n_vocab - 1)
+        return drawn
 
     def written(self) -> list[int]:
         """The block as written: the most likely canvas of the last pass."""

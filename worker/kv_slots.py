@@ -70,7 +70,7 @@ class SlotPool:
         if reused <= floor:
             best = oldest
             reused = min(best.cache.common_prefix(prompt), floor, len(prompt) - 1)
-        elif (oldest is not best and best.cache.length - reused >= FORK_MIN_TOKENS
+        elif (oldest is not best and best.cache.rewindable and best.cache.length - reused >= FORK_MIN_TOKENS
               and (session is None or best.session != session)):  # the same session's older turn goes
             oldest.cache.copy_prefix(best.cache, reused)
             best = oldest
@@ -78,7 +78,9 @@ class SlotPool:
         best.busy = True
         best.session = session
         best.last_used = next(self._clock)
-        return SlotChoice(best, reused)
+        # a cache that cannot be cut back (recurrent state) kept all of it or nothing: the
+        # exact prompt again keeps nothing, since one token must be computed
+        return SlotChoice(best, best.cache.length)
 
     def release(self, slot: Slot) -> None:
         slot.busy = False

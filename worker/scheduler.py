@@ -372,7 +372,12 @@ class Scheduler:
                 self.wakeup.wait(0.05)
                 self.wakeup.clear()
                 continue
-            self.step()
+            try:
+                self.step()
+            except Exception:  # a fault no stream's own guard caught: its step's streams end, the loop goes on
+                log.exception("a step failed; ending the %d running stream(s)", len(self.running))
+                for stream in list(self.running):
+                    self._finish(stream, FinishReason.ERROR, "the engine failed on this step")
 
     def choose_cartridges(self) -> None:
         """Engine thread: the fleet's choice for each stream waiting on one, then its queueing."""
@@ -498,10 +503,15 @@ class Scheduler:
                     continue
             sampling.append((stream, logits))
         for stream, logits in zip(denoising, denoised):
-            if logits is not None:
+            if logits is None:
+                continue  # already finished with an error
+            try:
                 stream.writer.advance(logits)
                 if stream.writer.done:
                     self._write_block(stream)
+            except Exception as exc:
+                log.exception("writing a block failed for %s", stream.request.request_id)
+                self._finish(stream, FinishReason.ERROR, f"writing a block failed: {exc}")
         if self.engine.model.diffusion:  # a prompt or block was read: the next block starts
             for stream, _ in sampling:
                 self._start_block(stream)
@@ -550,7 +560,11 @@ class Scheduler:
 
     def _forward(self, batch: list[tuple[Stream, list[int]]]) -> list[np.ndarray | None]:
         """One weight pass for the batch; if it fails, retry each stream alone so only the
-        stream at fault ends (its cache writes past ``length`` were never committed)."""
+        stream at fault ends (its cache writes past ``length`` were never committed, and the
+        recurrent states a failed pass moved on are put back)."""
+        # recurrent states are updated in place, layer by layer: kept to retry from
+        kept = {id(s): s.slot.cache.copy_recurrent() for s, _ in batch if s.slot.cache.recurrent} \
+            if len(batch) > 1 else {}
         try:
             return self.engine.model.forward([(s.slot.cache, toks) for s, toks in batch])
         except Exception:
@@ -558,6 +572,11 @@ class Scheduler:
                 log.exception("forward pass failed for %s", batch[0][0].request.request_id)
                 self._finish(batch[0][0], FinishReason.ERROR, "the engine failed on this request")
                 return [None]
+        for stream, _ in batch:
+            if id(stream) in kept:
+                stream.slot.cache.recurrent = kept[id(stream)]
+            elif not stream.slot.cache.rewindable:
+                stream.slot.cache.recurrent.clear()  # states the failed pass began from nothing
         results: list[np.ndarray | None] = []
         for stream, tokens in batch:
             try:

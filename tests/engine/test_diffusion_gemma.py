@@ -130,6 +130,28 @@ def test_a_sampled_draw_follows_the_distribution():
     assert 0.72 < writer.canvas.mean() < 0.78  # all accepted (4000 × 0.56 nats < 1e4), drawn at 3:1
 
 
+def test_the_request_temperature_shapes_the_draw_alone():
+    """Self-conditioning, entropies and the early stop follow the model's schedule; only the
+    draw feels the request's temperature."""
+    settings = DiffusionSettings(max_steps=2, t_min=1.0, t_max=1.0, entropy_bound=0.5)
+    logits = np.random.default_rng(2).standard_normal((6, 50)) * 3
+    cold, hot = _writer(settings, temperature=0.3, n_vocab=50, length=6), _writer(settings, 1.7, n_vocab=50, length=6)
+    cold.advance(logits)
+    hot.advance(logits)
+    np.testing.assert_allclose(cold.probs, softmax(logits.astype(np.float32)), rtol=1e-5)
+    np.testing.assert_array_equal(cold.probs, hot.probs)
+    assert cold.written() == hot.written() == logits.argmax(axis=-1).tolist()
+
+
+def test_settings_that_cannot_run_are_refused_at_load(tmp_path):
+    from shared.errors import ModelLoadError
+
+    path = tmp_path / "no-steps.gguf"
+    write_tiny_gguf(path, "diffusion-gemma", diffusion={"canvas_length": 8, "eb_max_steps": 0})
+    with pytest.raises(ModelLoadError, match="diffusion settings cannot run"):
+        load_model(GGUFFile(path))
+
+
 # --- the scheduler ---------------------------------------------------------------------------
 
 def _run(scheduler: Scheduler, outbox: list, rid: str, prompt: list[int], max_tokens: int,
@@ -190,6 +212,25 @@ def test_streams_written_together_write_what_they_write_alone(engine):
     # both were denoised in shared passes: fewer steps than the two alone
     passes_alone = 2 * (1 + 2 * engine.model.settings.max_steps)
     assert scheduler.steps < passes_alone
+
+
+def test_a_block_whose_writing_fails_ends_only_its_stream(engine, monkeypatch):
+    outbox: list = []
+    alone, _ = _run(_scheduler(engine, outbox), outbox, "a", PROMPT, 12, stop_ids=[])
+    advance = CanvasWriter.advance
+
+    def failing(writer, logits):
+        if writer.temperature == 0.7:  # the victim's
+            raise FloatingPointError("simulated")
+        advance(writer, logits)
+    monkeypatch.setattr(CanvasWriter, "advance", failing)
+    outbox = []
+    scheduler = _scheduler(engine, outbox, batch=2)
+    scheduler.submit(b"gw", Generate("victim", PROMPT[:10], SamplingParams(temperature=0.7), 12, stop_ids=[]))
+    blocks, finished = _run(scheduler, outbox, "a", PROMPT, 12, stop_ids=[])
+    victim = next(m for m in outbox if isinstance(m, Finished) and m.request_id == "victim")
+    assert victim.reason == FinishReason.ERROR and "simulated" in victim.error
+    assert blocks == alone and finished.reason == FinishReason.LENGTH
 
 
 def test_a_second_turn_reuses_its_slot(engine):

@@ -100,6 +100,62 @@ def test_a_second_turn_reuses_the_slot_and_says_what_a_cold_run_says(engine):
     assert _run(cold, cold_box, "cold-other", TURN[:20] + [3, 4])[0] == other
 
 
+def test_the_same_prompt_again_is_computed_again(engine):
+    """A one-token reply leaves its slot holding exactly the prompt; the same prompt again (a
+    regenerated answer) must not reuse all but its last token, a state that no longer exists."""
+    outbox: list = []
+    scheduler = Scheduler(engine, SchedulerSettings(ctx=256, kv_slots=1), lambda _, m: outbox.append(m))
+    params = SamplingParams(temperature=0.0)
+    scheduler.submit(b"gw", Generate("one", TURN, params, 1, stop_ids=[]))
+    for _ in range(20):
+        scheduler.admit()
+        scheduler.step()
+    assert scheduler.pool.slots[0].cache.length == len(TURN)
+    again, finished = _run(scheduler, outbox, "again", TURN)
+    assert finished.cached_tokens == 0
+    cold_box: list = []
+    assert _run(Scheduler(engine, SchedulerSettings(ctx=256), lambda _, m: cold_box.append(m)), cold_box,
+                "cold", TURN)[0] == again
+
+
+def test_a_batched_pass_that_fails_for_one_stream_leaves_the_others_states_as_they_were(engine):
+    """The pass fails at its last KV layer, after the earlier layers moved every stream's
+    recurrent states on; the others are retried alone from the states they had."""
+    def run(fault=None) -> list:
+        outbox: list = []
+        scheduler = Scheduler(engine, SchedulerSettings(ctx=256, batch=3, kv_slots=3), lambda _, m: outbox.append(m))
+        for i in range(3):
+            scheduler.submit(b"gw", Generate(f"r{i}", TURN[i:], SamplingParams(temperature=0.0), 6, stop_ids=[]))
+        scheduler.admit()
+        if fault:
+            fault(scheduler)
+        for _ in range(50):
+            if not scheduler.running:
+                break
+            scheduler.step()
+        return outbox
+
+    def tokens(outbox: list, rid: str) -> list[int]:
+        return [t for m in outbox if isinstance(m, Tokens) and m.request_id == rid for t in m.ids]
+
+    def break_cache(scheduler):
+        cache = next(s for s in scheduler.running if s.request.request_id == "r1").slot.cache
+        original, calls = cache.write, {"n": 0}
+
+        def write(layer, *args):
+            calls["n"] += 1
+            if calls["n"] >= 3 * cache.n_layer:  # from the third pass (the second decode step), its last KV layer on
+                raise MemoryError("simulated allocation failure")
+            return original(layer, *args)
+        cache.write = write
+
+    clean, broken = run(), run(break_cache)
+    finished = {m.request_id: m for m in broken if isinstance(m, Finished)}
+    assert finished["r1"].reason == "error" and len(tokens(broken, "r1")) == 2
+    for rid in ("r0", "r2"):
+        assert finished[rid].reason == "length" and tokens(broken, rid) == tokens(clean, rid)
+
+
 def test_cartridges_are_refused_plainly(engine, tmp_path):
     cache, tokens = from_document(engine, "A short document for the cartridge.", 8)
     write(tmp_path / "doc.safetensors", engine, cache, tokens, "test")

@@ -178,8 +178,14 @@ def test_the_forced_grammar_is_call_blocks_of_the_schema(grammars):
     assert not accepts(grammars, one, "<|content_text|>No.<|end_message|>")
     several = inkling_blocks.lark(tokenizer, functions, parallel=True)
     assert accepts(grammars, several, call + CALL_BLOCK)
-    after_reasoning = inkling_blocks.lark(tokenizer, functions, parallel=False, lead=True)
-    assert accepts(grammars, after_reasoning, CALL_BLOCK) and not accepts(grammars, after_reasoning, call)
+    # with reasoning on: a thinking block may come first, and the call must follow; a call first
+    # is held to its schema all the same
+    thinking = inkling_blocks.lark(tokenizer, functions, parallel=False, thinking=True)
+    assert accepts(grammars, thinking, "<|content_thinking|>Hm.<|end_message|>" + CALL_BLOCK)
+    assert accepts(grammars, thinking, call)
+    assert not accepts(grammars, thinking, call.replace('"days":2', '"days":"two"'))
+    assert not accepts(grammars, thinking, "<|content_thinking|>Hm.<|end_message|>")
+    assert not accepts(grammars, thinking, "<|content_text|>Hm.<|end_message|>" + CALL_BLOCK)
     optional = inkling_blocks.lark(tokenizer, functions, parallel=False, optional=True)
     assert accepts(grammars, optional, "<|content_text|>Just text.<|end_message|>")
     assert accepts(grammars, optional, "<|content_thinking|>Hm.<|end_message|><|message_model|>" + call)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from shared.errors import ModelLoadError
 from worker.engine import ops
 from worker.engine.archs.gemma4 import Gemma4Model
 from worker.engine.gguf_file import GGUFFile
@@ -67,6 +68,11 @@ class DiffusionGemmaModel(Gemma4Model):
             stability_threshold=int(meta.get("diffusion.eb_stability_threshold", defaults.stability_threshold)),
             confidence_threshold=float(meta.get("diffusion.eb_confidence_threshold",
                                                 defaults.confidence_threshold)))
+        settings = self.settings
+        if (settings.canvas_length < 1 or settings.max_steps < 1 or not 0 < settings.t_min <= settings.t_max
+                or settings.entropy_bound < 0 or settings.stability_threshold < 0):
+            raise ModelLoadError(f"{gguf.path}: its diffusion settings cannot run ({settings}): a canvas and "
+                                 f"steps of at least 1, temperatures 0 < t_min <= t_max, bounds >= 0")
         return hp
 
     @classmethod
