@@ -485,6 +485,12 @@ class DecoderModel:
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         return self.token_embd.rows(token_ids)
 
+    def layer_rope_tables(self, positions: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, bool]]:
+        """Each layer's cos, sin [T, dims/2] and pairing for rows at these positions (one table
+        per distinct rotation, shared by the layers that rotate alike)."""
+        tables = [(*ops.rope_cos_sin(positions, inv_freq), adjacent) for inv_freq, adjacent in self.rope_tables]
+        return [tables[t] for t in self.layer_rope]
+
     def forward(self, steps: list[tuple[KVCache, list[int]]], all_logits: bool = False,
                 hidden: bool = False) -> list[np.ndarray]:
         """Feed each sequence its new tokens in one weight pass; return logits per sequence.
@@ -506,9 +512,7 @@ class DecoderModel:
             positions.append(np.arange(cache.length, cache.length + len(tokens)))
             token_ids.extend(tokens)
             row += len(tokens)
-        positions = np.concatenate(positions)
-        tables = [(*ops.rope_cos_sin(positions, inv_freq), adjacent) for inv_freq, adjacent in self.rope_tables]
-        fp = ForwardPass([c for c, _ in steps], spans, [tables[t] for t in self.layer_rope])
+        fp = ForwardPass([c for c, _ in steps], spans, self.layer_rope_tables(np.concatenate(positions)))
         ids = np.asarray(token_ids, dtype=np.int64)
         x = self.embed(ids)
         fp.layer_inputs = self.layer_inputs(ids, x)

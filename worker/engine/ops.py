@@ -165,8 +165,8 @@ def masked_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_
         block = max(1, min(n_tokens - t0, SCORES_BUDGET // (4 * n_head * max(1, seen))))
         t1 = t0 + block
         hi = first_pos + t1 if causal else n_keys
-        k_b = keys[:, lo:hi].astype(np.float32)
-        v_b = values[:, lo:hi].astype(np.float32)
+        k_b = keys[:, lo:hi].astype(np.float32, copy=False)
+        v_b = values[:, lo:hi].astype(np.float32, copy=False)
         q_b = q[t0:t1].reshape(t1 - t0, n_kv, group, head_dim)
         scores = np.einsum("tkgd,kld->tkgl", q_b, k_b).reshape(t1 - t0, n_head, hi - lo)
         distance = (first_pos + np.arange(t0, t1))[:, None] - np.arange(lo, hi)[None, :]  # [Tb, Lb]
@@ -195,6 +195,14 @@ def _exp_in_place(scores: np.ndarray, softcap: float | None) -> np.ndarray:
     np.subtract(scores, scores.max(axis=-1, keepdims=True), out=scores)
     np.exp(scores, out=scores)
     return scores.sum(axis=-1, keepdims=True)
+
+
+def causal_conv(state: np.ndarray, rows: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A causal depthwise convolution of new rows [T, C] with weight [C, K], continuing from the
+    last K − 1 inputs ``state`` [K − 1, C]; returns the output [T, C] and the new state."""
+    t, k_size = rows.shape[0], weight.shape[1]
+    window = np.concatenate([state, rows])  # the last K − 1 inputs, then the new ones
+    return sum(window[j:j + t] * weight[:, j] for j in range(k_size)), window[t:].copy()
 
 
 # --- feed-forward ----------------------------------------------------------------------------

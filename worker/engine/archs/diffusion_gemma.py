@@ -99,9 +99,9 @@ class DiffusionGemmaModel(Gemma4Model):
         out = np.empty((h.shape[0], hp.n_head * shape.head_dim), dtype=np.float32)
         for cache, (start, end) in zip(fp.caches, fp.spans):
             first = max(0, cache.length - (self.sliding_window - 1)) if shape.local else 0
-            keys = np.concatenate([cache.keys[i][:, first:cache.length].astype(np.float32),
+            keys = np.concatenate([cache.keys[i][:, first:cache.length].astype(np.float32, copy=False),
                                    k[start:end].transpose(1, 0, 2)], axis=1)
-            values = np.concatenate([cache.values[i][:, first:cache.length].astype(np.float32),
+            values = np.concatenate([cache.values[i][:, first:cache.length].astype(np.float32, copy=False),
                                      v[start:end].transpose(1, 0, 2)], axis=1)
             out[start:end] = ops.masked_attention(q[start:end], keys, values, 0, self.attention_options[i].scale,
                                                   causal=False)
@@ -122,9 +122,8 @@ class DiffusionGemmaModel(Gemma4Model):
             signals.append(np.zeros((len(canvas), self.hp.n_embd), np.float32) if probs is None
                            else self.soft_embedding(probs))
             row += len(canvas)
-        positions = np.concatenate(positions)
-        tables = [(*ops.rope_cos_sin(positions, inv_freq), adjacent) for inv_freq, adjacent in self.rope_tables]
-        fp = ForwardPass([c for c, _, _ in canvases], spans, [tables[t] for t in self.layer_rope], canvas=True)
+        fp = ForwardPass([c for c, _, _ in canvases], spans, self.layer_rope_tables(np.concatenate(positions)),
+                         canvas=True)
         x = self.embed(np.asarray(ids, dtype=np.int64)) + self.self_conditioning(np.concatenate(signals))
         x = ops.rms_norm(x, None, self.hp.rms_eps)
         for i in range(self.hp.n_layer):

@@ -203,12 +203,8 @@ class InklingModel(DecoderModel):
             if states is None:
                 states = cache.recurrent[i] = [np.zeros((k_size - 1, self.layers[i][name].shape[0]), np.float32)
                                                for name in ("sconv_k", "sconv_v", "sconv_attn", "sconv_mlp")]
-            rows = y[start:end]
-            window = np.concatenate([states[which], rows])  # the last K − 1 inputs, then the new ones
-            t = rows.shape[0]
-            conv = sum(window[j:j + t] * weight[:, j] for j in range(k_size))
-            states[which] = window[t:].copy()
-            out[start:end] = rows + conv
+            conv, states[which] = ops.causal_conv(states[which], y[start:end], weight)
+            out[start:end] = y[start:end] + conv
         return out
 
     def attention_with_bias(self, i: int, h: np.ndarray, fp: ForwardPass) -> np.ndarray:

@@ -171,10 +171,7 @@ class Qwen35Model(DecoderModel):
                                   np.zeros((la.value_heads, la.key_dim, la.value_dim), dtype=np.float32)]
         conv_state, state = cache.recurrent[i]
         t = mixed.shape[0]
-        window = np.concatenate([conv_state, mixed])  # the last K−1 inputs, then the new ones
-        weight = self.layers[i]["conv"]  # [channels, K]
-        conv = sum(window[j:j + t] * weight[:, j] for j in range(k_size))
-        cache.recurrent[i][0] = window[t:].copy()
+        conv, cache.recurrent[i][0] = ops.causal_conv(conv_state, mixed, self.layers[i]["conv"])
         conv = ops.silu(conv)
         keys = la.key_heads * la.key_dim
         q = conv[:, :keys].reshape(t, la.key_heads, la.key_dim)
