@@ -37,7 +37,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from worker.engine.archs import ARCHITECTURES
-from worker.engine.model import MATRIX, HParams, LayerShape, LayerTensor, LinearAttention
+from worker.engine.model import MATRIX, TABLE, HParams, LayerShape, LayerTensor, LinearAttention
 
 Q = GGMLQuantizationType
 # where each block type keeps its f16 scale(s): byte offsets inside one block
@@ -134,7 +134,7 @@ def tensor_plan(shape: Shape, qtype: GGMLQuantizationType, n_vocab: int
     hp = shape.hparams(n_vocab)
 
     def kind(tensor: LayerTensor) -> GGMLQuantizationType:
-        if tensor.kind != MATRIX:
+        if tensor.kind not in (MATRIX, TABLE):
             return Q.F32
         return qtype if tensor.shape[-1] % BLOCKS[qtype][0] == 0 else Q.Q8_0
 

@@ -35,7 +35,7 @@ from worker.engine import q2_0
 from worker.engine.archs import ARCHITECTURES
 from worker.engine.archs.inkling import InklingShape
 from worker.engine.gguf_file import HeaderCursor
-from worker.engine.model import DENSE, FACTORS, MATRIX, NORM, HParams, LayerShape, LinearAttention
+from worker.engine.model import DENSE, FACTORS, MATRIX, NORM, TABLE, HParams, LayerShape, LinearAttention
 
 # The GGUF families the generic tiny-model tests run over (nanochat is served from checkpoint
 # directories: tests/tiny_nanochat.py). The recurrent families (linear attention) have fixtures
@@ -487,7 +487,7 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
             value = norm_weight(tensor.shape[0])
         else:
             value = normal(tensor.shape, 1.0 / np.sqrt(tensor.shape[-1]))
-        sink.add(tensor.name, value, keep_f32=tensor.kind != MATRIX)
+        sink.add(tensor.name, value, keep_f32=tensor.kind not in (MATRIX, TABLE))
     for layer in range(hp["n_layer"]):
         for tensor in ARCHITECTURES[arch].layer_tensors(declared, layer):
             if tensor.optional and tensor.name not in written_optional:

@@ -288,6 +288,16 @@ class GGUFFile:
         rows = raw.reshape(*info.shape[:-1], row_bytes(qtype, info.shape[-1]))
         return QuantizedWeight(qtype, info.shape, rows)
 
+    def release(self, name: str) -> None:
+        """Let go of the pages of a tensor that was copied (repacked): they leave this process's
+        resident memory (the whole pages inside its bytes; the system may keep them cached)."""
+        info = self.tensor_info(name)
+        start = self.data_offset(info)
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = (start + info.n_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first and hasattr(self._map, "madvise"):
+            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+
     @functools.cached_property
     def total_bytes(self) -> int:
         return sum(info.n_bytes for info in self._tensors.values()

@@ -24,7 +24,7 @@ from worker.engine import kernels, ops
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels import fused
 from worker.engine.kv_cache import KV_TYPES, KVCache
-from worker.engine.weights import MatmulInput, QuantizedWeight, Weight
+from worker.engine.weights import FLOAT_KERNELS, MatmulInput, PanelWeight, QuantizedWeight, Weight
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,8 @@ def read_hparams(gguf: GGUFFile, arch: str, per_layer: frozenset[str] = frozense
 
 
 # What a layer tensor is, for loading it (and for writing synthetic files from the declaration).
-MATRIX = "matrix"  # a weight matrix, held in the file's blocks (dequantized in exact mode)
+MATRIX = "matrix"  # a weight matrix, repacked in panels (dequantized in exact mode)
+TABLE = "table"  # a lookup table: rows read per token, never multiplied; kept in the file
 DENSE = "dense"  # a small matrix read as float32 (a router)
 NORM = "norm"  # a norm's weight vector, float32
 BIAS = "bias"  # a bias vector, float32
@@ -200,9 +201,9 @@ class ForwardPass:
 class FusedLayer:
     """A layer's weights as the compiled block steps (``kernels/fused.py``) take them."""
 
-    attention: tuple  # attention_inputs' arguments after x: norm, eps, wq, wk, wv, kinds, bq, bk, bv, q_norm, k_norm
-    output: tuple  # attention_output's after x and attn: wo, kind
-    swiglu: tuple | None  # swiglu's after x: norm, eps, wg, wu, wd, kinds, n_ff (None: not a SwiGLU layer)
+    attention: tuple  # attention_inputs' arguments after x: norm, eps, wq, wk, wv, bq, bk, bv, q_norm, k_norm
+    output: tuple  # attention_output's after x and attn: wo
+    swiglu: tuple | None  # swiglu's after x: norm, eps, wg, wu, wd, n_ff (None: not a SwiGLU layer)
 
 
 class DecoderModel:
@@ -239,9 +240,10 @@ class DecoderModel:
         if self.hp.n_vocab != self.token_embd.shape[0]:
             self.hp = replace(self.hp, n_vocab=self.token_embd.shape[0])
         self.output_norm = gguf.tensor("output_norm.weight", (self.hp.n_embd,)) if self.has_output_norm else None
-        # Small models tie the output head to the embedding; the same weight serves both.
-        self.output = (self.load_weight(gguf, "output.weight", self.token_embd.shape)
-                       if gguf.has_tensor("output.weight") else self.token_embd)
+        if gguf.has_tensor("output.weight"):
+            self.output = self.load_weight(gguf, "output.weight", self.token_embd.shape)
+        else:  # small models tie the output head to the embedding: one packed weight serves both
+            self.output = self.token_embd = self.packed(gguf, "token_embd.weight", self.token_embd)
         self.layers = [self.load_layer(gguf, i) for i in range(self.hp.n_layer)]
         self.load_globals(gguf)
         self.fused = [self.fused_layer(layer) for layer in self.layers]
@@ -339,11 +341,25 @@ class DecoderModel:
         for t in self.global_tensors(self.hp):
             if t.kind == MATRIX:
                 setattr(self, t.key, self.load_weight(gguf, t.name, t.shape))
+            elif t.kind == TABLE:
+                setattr(self, t.key, gguf.weight(t.name, t.shape, dense=self.exact))
             elif t.kind != FACTORS and (gguf.has_tensor(t.name) or not t.optional):
                 setattr(self, t.key, gguf.tensor(t.name, t.shape))
 
     def load_weight(self, gguf: GGUFFile, name: str, shape: tuple[int, ...]) -> Weight:
-        return gguf.weight(name, shape, dense=self.exact)
+        """A matrix to multiply by: repacked in panels where its type has them."""
+        return self.packed(gguf, name, gguf.weight(name, shape, dense=self.exact))
+
+    @staticmethod
+    def packed(gguf: GGUFFile, name: str, weight: Weight) -> Weight:
+        """``weight`` repacked in panels if it can be (a 2-D matrix of a block type with them),
+        its pages of the file let go once copied; else itself."""
+        if not isinstance(weight, QuantizedWeight):
+            return weight
+        packed = weight.packed()
+        if packed is not weight:
+            gguf.release(name)
+        return packed
 
     def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, Any]:
         """Layer i's declared tensors by key (an absent optional one has no key); matrices stay
@@ -353,7 +369,12 @@ class DecoderModel:
             name = f"blk.{i}.{t.name}"
             if t.optional and not gguf.has_tensor(name):
                 continue
-            layer[t.key] = self.load_weight(gguf, name, t.shape) if t.kind == MATRIX else gguf.tensor(name, t.shape)
+            if t.kind == MATRIX:
+                layer[t.key] = self.load_weight(gguf, name, t.shape)
+            elif t.kind == TABLE:
+                layer[t.key] = gguf.weight(name, t.shape, dense=self.exact)
+            else:
+                layer[t.key] = gguf.tensor(name, t.shape)
         return layer
 
     def fused_layer(self, layer: dict[str, Any]) -> FusedLayer | None:
@@ -364,25 +385,22 @@ class DecoderModel:
         if self.exact or not kernels.available() or hp.head_dim % 8 or hp.value_dim % 16:
             return None
 
-        def held_in_place(*names: str) -> bool:
-            return all(isinstance(layer.get(n), QuantizedWeight) and len(layer[n].shape) == 2
-                       and int(layer[n].qtype) in fused.TYPE_CODES for n in names)
+        def compiled(*names: str) -> bool:
+            return all(isinstance(layer.get(n), PanelWeight) or (
+                isinstance(layer.get(n), QuantizedWeight) and len(layer[n].shape) == 2
+                and layer[n].qtype in FLOAT_KERNELS) for n in names)
 
-        if not held_in_place("wq", "wk", "wv", "wo") or "attn_norm" not in layer:
+        if not compiled("wq", "wk", "wv", "wo") or "attn_norm" not in layer:
             return None
         none = np.zeros(0, dtype=np.float32)
-
-        def kinds(*names: str) -> np.ndarray:
-            return np.array([int(layer[n].qtype) for n in names], dtype=np.int64)
-
-        attention = (layer["attn_norm"], np.float32(hp.rms_eps), layer["wq"].data, layer["wk"].data,
-                     layer["wv"].data, kinds("wq", "wk", "wv"), *(layer.get(b, none) for b in ("bq", "bk", "bv")),
-                     layer.get("q_norm", none), layer.get("k_norm", none))
-        output = (layer["wo"].data, int(layer["wo"].qtype))
+        attention = (layer["attn_norm"], np.float32(hp.rms_eps), *(layer[w].kernel_array for w in ("wq", "wk", "wv")),
+                     *(layer.get(b, none) for b in ("bq", "bk", "bv")), layer.get("q_norm", none),
+                     layer.get("k_norm", none))
+        output = (layer["wo"].kernel_array,)
         swiglu = None
-        if self.activation == "silu" and held_in_place("gate", "up", "down") and "ffn_norm" in layer:
-            swiglu = (layer["ffn_norm"], np.float32(hp.rms_eps), layer["gate"].data, layer["up"].data,
-                      layer["down"].data, kinds("gate", "up", "down"), layer["gate"].shape[0])
+        if self.activation == "silu" and compiled("gate", "up", "down") and "ffn_norm" in layer:
+            swiglu = (layer["ffn_norm"], np.float32(hp.rms_eps), layer["gate"].kernel_array,
+                      layer["up"].kernel_array, layer["down"].kernel_array, layer["gate"].shape[0])
         return FusedLayer(attention, output, swiglu)
 
     # --- the shared steps of a block -----------------------------------------------------------

@@ -15,7 +15,7 @@ import numpy as np
 from worker.engine import kernels
 from worker.engine.kernels import attention, rowwise
 from worker.engine.kv_cache import kernel_view
-from worker.engine.weights import MatmulInput, Weight
+from worker.engine.weights import DenseWeight, MatmulInput, Weight
 
 _NO_WEIGHT = np.zeros(0, dtype=np.float32)
 
@@ -42,6 +42,13 @@ def linear(x: np.ndarray | MatmulInput, weight: Weight, bias: np.ndarray | None 
     """y = x @ Wᵀ (+ b); W is (n_out, n_in) as GGUF stores it. [T, n_in] -> [T, n_out]"""
     y = weight.times_transposed(x)
     return y + bias if bias is not None else y
+
+
+def dense(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x @ wᵀ for a small float32 matrix w [n_out, n_in] (a router, a gate): each row of x on its
+    own, as in every other product of the forward pass (numpy's BLAS would sum a row
+    differently by how many rows come with it). [T, n_in] -> [T, n_out]"""
+    return DenseWeight(w).times_transposed(x)
 
 
 # --- rotary position embedding -------------------------------------------------------------

@@ -1,13 +1,19 @@
-"""Weight matrices as the architecture files use them: read in place, multiplied by kernels.
+"""Weight matrices as the architecture files use them: repacked or read in place, multiplied by kernels.
 
-A ``QuantizedWeight`` is a view of the file's own bytes (memory-mapped, read-only, never
-copied): [n_out, row bytes] of GGML blocks, or [experts, n_out, row bytes] for a stack of
-experts. ``x @ Wᵀ`` runs the compiled kernel of its block type over those bytes. A
-``DenseWeight`` holds float32 and multiplies with BLAS: the form of a tensor whose type has
-no kernel, or of every weight when the engine runs exactly (``exact=True``, for parity
-checks) or the CPU lacks AVX2.
+* ``PanelWeight``: a 2-D matrix of a block type repacked in panels at load (``panels.py``), the
+  layout of the GEMM kernels (``kernels/gemm.py``) for one row of x or thousands; the same
+  bytes as the file's, which are let go once copied.
+* ``QuantizedWeight``: a view of the file's own bytes (memory-mapped, read-only, never
+  copied): [n_out, row bytes] of GGML blocks, or [experts, n_out, row bytes] for a stack of
+  experts, which stays in the file so that a step reads only the experts it routes to;
+  multiplied by the in-place kernels of ``kernels/matmul.py``. Float types (F32, F16, BF16)
+  are always read in place.
+* ``DenseWeight``: float32, the form of a tensor whose type has no kernel, or of every weight
+  when the engine runs exactly (``exact=True``, parity checks: BLAS) or the CPU lacks AVX2.
+  Outside exact mode its product is a compiled one whose rows are independent, as every
+  other product here (BLAS sums a row differently by how many rows come with it).
 
-Both take a ``MatmulInput``, which quantizes its rows to int8 blocks once, on first use, so
+All take a ``MatmulInput``, which quantizes its rows to int8 blocks once, on first use, so
 the Q, K and V projections (or gate and up) share one quantization of their input.
 """
 
@@ -16,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from worker.engine import q2_0
-from worker.engine.kernels import matmul
+from worker.engine import kernels, panels, q2_0
+from worker.engine.kernels import gemm, matmul
 from worker.engine.kernels.activations import QuantizedActivations
 
 Q = GGMLQuantizationType
@@ -35,9 +41,25 @@ INT8_KERNELS = {
     q2_0.Layout.Q2_0: matmul.matmul_q2_0,
     q2_0.Layout.Q2_0_128: matmul.matmul_q2_0_128,
 }
+# block type -> GEMM kernel over its panels
+GEMM_KERNELS = {
+    Q.Q4_0: gemm.gemm_q4_0,
+    Q.Q4_1: gemm.gemm_q4_1,
+    Q.Q5_0: gemm.gemm_q5_0,
+    Q.Q5_1: gemm.gemm_q5_1,
+    Q.Q8_0: gemm.gemm_q8_0,
+    Q.Q4_K: gemm.gemm_q4_k,
+    Q.Q5_K: gemm.gemm_q5_k,
+    Q.Q6_K: gemm.gemm_q6_k,
+    q2_0.Layout.Q2_0: gemm.gemm_q2_0,
+    q2_0.Layout.Q2_0_128: gemm.gemm_q2_0_128,
+}
 # float type -> its kind for the kernel taking float32 activations
 FLOAT_KERNELS = {Q.F32: matmul.F32, Q.F16: matmul.F16, Q.BF16: matmul.BF16}
 KERNEL_TYPES = frozenset(INT8_KERNELS) | frozenset(FLOAT_KERNELS)
+# the record type of a row element of the 2-byte float types, as the compiled products take
+# them (numba has no float16 arrays; a record type of its own also names the kernel)
+FLOAT_RECORDS = {Q.F16: np.dtype([("f16", np.uint16)]), Q.BF16: np.dtype([("bf16", np.uint16)])}
 
 
 class MatmulInput:
@@ -85,7 +107,7 @@ class QuantizedWeight:
         inp = as_input(x)
         out = np.empty((inp.x.shape[0], self.shape[0]), dtype=np.float32)
         if self.qtype in FLOAT_KERNELS:
-            return matmul.matmul_float(FLOAT_KERNELS[self.qtype], self.data, inp.x, out)
+            return matmul.matmul_float(FLOAT_KERNELS[self.qtype], self.kernel_array, inp.x, out)
         acts = inp.quantized
         return INT8_KERNELS[self.qtype](self.data, acts.values, acts.scales, acts.sums, out)
 
@@ -108,28 +130,84 @@ class QuantizedWeight:
     def dequantize(self) -> np.ndarray:
         return dequantize(self.data, self.qtype, self.shape)
 
+    @property
+    def kernel_array(self) -> np.ndarray:
+        """A float matrix as the compiled block steps take it: float32 [n_out, n_in], or
+        [n_out, n_in] of a 2-byte float's record type (``FLOAT_RECORDS``)."""
+        if self.qtype == Q.F32:
+            return self.data.view(np.float32)
+        return self.data.view(FLOAT_RECORDS[self.qtype])
+
+    def packed(self) -> Weight:
+        """This matrix repacked in panels, if its type has them (else itself). The file's pages
+        it was read from are not needed afterwards (``GGUFFile.release``)."""
+        if not panels.packable(self.qtype, self.shape):
+            return self
+        return PanelWeight(self.qtype, self.shape, panels.pack(self.qtype, self.data))
+
+
+class PanelWeight:
+    """A 2-D weight repacked in panels (``panels.py``); ``panels`` [panels, blocks per row] of
+    the type's panel-block records."""
+
+    def __init__(self, qtype, shape: tuple[int, int], packed: np.ndarray):
+        self.qtype = qtype
+        self.shape = tuple(shape)
+        self.panels = packed
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.nbytes
+
+    @property
+    def kernel_array(self) -> np.ndarray:
+        return self.panels
+
+    def times_transposed(self, x: np.ndarray | MatmulInput) -> np.ndarray:
+        """x @ Wᵀ: [m, n_in] -> [m, n_out] float32."""
+        acts = as_input(x).quantized
+        out = np.empty((acts.values.shape[0], self.shape[0]), dtype=np.float32)
+        return GEMM_KERNELS[self.qtype](self.panels, *acts.parts, out)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` as float32 [len(ids), n_in] (an embedding lookup of a tied head)."""
+        return panels.dequantize_rows(self.qtype, self.panels, np.asarray(ids))
+
+    def dequantize(self) -> np.ndarray:
+        return self.rows(np.arange(self.shape[0]))
+
 
 class DenseWeight:
-    """A float32 weight, multiplied with BLAS."""
+    """A float32 weight."""
 
-    def __init__(self, values: np.ndarray):
+    def __init__(self, values: np.ndarray, exact: bool = False):
         self.values = np.ascontiguousarray(values, dtype=np.float32)
         self.shape = self.values.shape
+        # BLAS where exactness is what matters (parity checks); elsewhere the compiled product,
+        # whose rows do not depend on one another
+        self.exact = exact or not kernels.available() or self.values.ndim != 2
 
     @property
     def nbytes(self) -> int:
         return self.values.nbytes
 
+    @property
+    def kernel_array(self) -> np.ndarray:
+        return self.values
+
     def times_transposed(self, x: np.ndarray | MatmulInput) -> np.ndarray:
-        rows = x.x if isinstance(x, MatmulInput) else x
-        # (W @ xᵀ)ᵀ: OpenBLAS packs the few rows of x instead of the weight
-        return (self.values @ rows.T).T
+        rows = x.x if isinstance(x, MatmulInput) else np.ascontiguousarray(x, dtype=np.float32)
+        if self.exact:
+            # (W @ xᵀ)ᵀ: OpenBLAS packs the few rows of x instead of the weight
+            return (self.values @ rows.T).T
+        out = np.empty((rows.shape[0], self.shape[0]), dtype=np.float32)
+        return matmul.matmul_float(matmul.F32, self.values, rows, out)
 
     def expert(self, e: int) -> DenseWeight:
-        return DenseWeight(self.values[e])
+        return DenseWeight(self.values[e], self.exact)
 
     def row_range(self, start: int, stop: int) -> DenseWeight:
-        return DenseWeight(self.values[start:stop])
+        return DenseWeight(self.values[start:stop], self.exact)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         return self.values[np.asarray(ids)]
@@ -138,7 +216,7 @@ class DenseWeight:
         return self.values
 
 
-Weight = QuantizedWeight | DenseWeight
+Weight = QuantizedWeight | PanelWeight | DenseWeight
 
 
 def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:

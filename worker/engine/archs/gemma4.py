@@ -35,6 +35,7 @@ from worker.engine.model import (
     DENSE,
     FACTORS,
     NORM,
+    TABLE,
     AttentionOptions,
     DecoderModel,
     ForwardPass,
@@ -147,7 +148,7 @@ class Gemma4Model(DecoderModel):
         tensors = [LayerTensor("rope_freqs", "rope_freqs.weight", (hp.rope_dims // 2,), FACTORS)]
         if hp.n_embd_per_layer:
             width = hp.n_embd_per_layer * hp.n_layer
-            tensors += [LayerTensor("ple_embd", "per_layer_token_embd.weight", (hp.n_vocab, width)),
+            tensors += [LayerTensor("ple_embd", "per_layer_token_embd.weight", (hp.n_vocab, width), TABLE),
                         LayerTensor("ple_model_proj", "per_layer_model_proj.weight", (width, hp.n_embd)),
                         LayerTensor("ple_proj_norm", "per_layer_proj_norm.weight", (hp.n_embd_per_layer,), NORM)]
         return tensors
@@ -226,7 +227,7 @@ class Gemma4Model(DecoderModel):
         """The routed mixture of a MoE layer on normed input x, routed from the residual h."""
         hp, eps = self.hp, self.hp.rms_eps
         routed = ops.rms_norm(h, None, eps) * (np.float32(1.0 / np.sqrt(hp.n_embd)) * layer["router_scale"])
-        chosen, weights = ops.moe_route_softmax_topk(routed @ layer["router"].T, hp.n_expert_used, True)
+        chosen, weights = ops.moe_route_softmax_topk(ops.dense(routed, layer["router"]), hp.n_expert_used, True)
         if "expert_scale" in layer:
             weights = weights * layer["expert_scale"][chosen]
         down = layer["down_exps"]

@@ -29,7 +29,7 @@ import numpy as np
 
 from worker.engine import ops
 from worker.engine.gguf_file import GGUFFile
-from worker.engine.model import NORM, AttentionOptions, DecoderModel, ForwardPass, HParams, LayerTensor, Rope
+from worker.engine.model import NORM, TABLE, AttentionOptions, DecoderModel, ForwardPass, HParams, LayerTensor, Rope
 
 SMEAR_CHANNELS = 24
 VE_GATE_CHANNELS = 12
@@ -67,7 +67,7 @@ class NanochatModel(DecoderModel):
                 LayerTensor("wo", "attn_output.weight", (d, hp.n_head * hp.head_dim)),
                 LayerTensor("up", "ffn_up.weight", (f, d)),
                 LayerTensor("down", "ffn_down.weight", (d, f)),
-                LayerTensor("value_embd", "value_embd.weight", (hp.n_vocab, kv), optional=True),
+                LayerTensor("value_embd", "value_embd.weight", (hp.n_vocab, kv), TABLE, optional=True),
                 LayerTensor("ve_gate", "ve_gate.weight", (hp.n_head_kv, VE_GATE_CHANNELS), NORM, optional=True)]
 
     @classmethod
@@ -98,7 +98,7 @@ class NanochatModel(DecoderModel):
     def smeared(self, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
         """Each row plus its gate times the previous token's normed embedding: the row before it,
         or for a sequence's first new row, the last token its cache holds."""
-        gate = float(self.smear_lambda[0]) / (1.0 + np.exp(-(x[:, :SMEAR_CHANNELS] @ self.smear_gate[0])))
+        gate = float(self.smear_lambda[0]) / (1.0 + np.exp(-(ops.dense(x[:, :SMEAR_CHANNELS], self.smear_gate)[:, 0])))
         previous = np.zeros_like(x)
         for cache, (start, end) in zip(fp.caches, fp.spans):
             previous[start + 1:end] = x[start:end - 1]
@@ -121,7 +121,7 @@ class NanochatModel(DecoderModel):
         k = ops.linear(h, layer["wk"]).reshape(n, hp.n_head_kv, hp.head_dim)
         v = ops.linear(h, layer["wv"]).reshape(n, hp.n_head_kv, hp.head_dim)
         if "value_embd" in layer:
-            gate = 3.0 / (1.0 + np.exp(-(h[:, :VE_GATE_CHANNELS] @ layer["ve_gate"].T)))  # [T, K]
+            gate = 3.0 / (1.0 + np.exp(-(ops.dense(h[:, :VE_GATE_CHANNELS], layer["ve_gate"]))))  # [T, K]
             v = v + gate[:, :, None].astype(np.float32) * layer["value_embd"].rows(inputs["ids"]).reshape(v.shape)
         cos, sin, _ = fp.rope[i]
         q = ops.rms_norm(ops.apply_rope(q, cos, sin), None, eps)

@@ -53,7 +53,7 @@ class Qwen35MoeModel(Qwen35Model):
 
     def ffn(self, i: int, h: np.ndarray) -> np.ndarray:
         layer, f = self.layers[i], self.hp.n_ff_expert
-        experts, weights = ops.moe_route_softmax_topk(h @ layer["router"].T, self.hp.n_expert_used, True)
+        experts, weights = ops.moe_route_softmax_topk(ops.dense(h, layer["router"]), self.hp.n_expert_used, True)
         down = layer["down_exps"]
 
         def expert(e: int):
@@ -64,4 +64,4 @@ class Qwen35MoeModel(Qwen35Model):
 
         routed = ops.moe_gated_ffn(h, experts, weights, expert)
         shared = ops.gated_ffn(h, layer["shexp_gate"], layer["shexp_up"], layer["shexp_down"], "silu")
-        return routed + shared * ops.sigmoid(h @ layer["shexp_gate_inp"])[:, None]
+        return routed + shared * ops.sigmoid(ops.dense(h, layer["shexp_gate_inp"][None, :]))

@@ -36,6 +36,6 @@ class Qwen3MoeModel(DecoderModel):
         layer, eps = self.layers[i], self.hp.rms_eps
         x = self.attention_half(i, x, fp)
         h = ops.rms_norm(x, layer["ffn_norm"], eps)
-        experts, weights = ops.moe_route_softmax_topk(h @ layer["router"].T, self.hp.n_expert_used, True)
+        experts, weights = ops.moe_route_softmax_topk(ops.dense(h, layer["router"]), self.hp.n_expert_used, True)
         gate, up, down = layer["gate_exps"], layer["up_exps"], layer["down_exps"]
         return x + ops.moe_gated_ffn(h, experts, weights, lambda e: (gate.expert(e), up.expert(e), down.expert(e)))

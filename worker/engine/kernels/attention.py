@@ -1,16 +1,25 @@
 """Causal grouped-query attention over a KV cache, compiled, with an online softmax.
 
 A task is one KV head and a block of up to QUERY_BLOCK query positions, with the G query heads
-that read that KV head: each key and value row is loaded once for all of them. Keys go in
-blocks of KEY_BLOCK at fixed positions (0, 64, 128, ...); the running maximum, sum and output
-of each query row are rescaled when a block raises the maximum, so no [T, L] score matrix is
-built and memory stays flat as the context grows. Sliding windows limit the keys a query sees;
-a logit softcap bends scores through tanh.
+that read that KV head (its *rows*): each key and value is widened from the cache once for all
+of them. Keys go in blocks of KEY_BLOCK at fixed positions (0, 64, 128, ...); the running
+maximum, sum and output of each row are rescaled when a block raises the maximum, so no [T, L]
+score matrix is built and memory stays flat as the context grows. Sliding windows limit the
+keys a row sees; a logit softcap bends scores through tanh.
 
-Each query's arithmetic depends only on its own position and the cache, never on which other
-queries share its call or its task: a prompt computed in one chunk or several, alone or in a
-batch, gets the same bits (the int8 rounding of the next projection would magnify any
-difference into a visible one).
+Per key block, in float32 and WIDTH lanes (``wide_simd.py``: 16 with AVX-512, else 8):
+
+* the block's keys and values are widened once into scratch rows (dims padded with zeros);
+* scores, four rows by four keys at a time: each score runs over the head in lanes (dim i in
+  lane i % WIDTH), folded to eight lanes and added in one fixed tree (``simd.sums8_f32``);
+* the online softmax, row by row;
+* the weighted values, four rows at a time: each output dim sums its keys in order.
+
+Each row's arithmetic depends only on its own position and the cache, never on which other
+rows share its task or call: a prompt computed in one chunk or several, alone or in a batch,
+gets the same bits (the int8 rounding of the next projection would magnify any difference
+into a visible one). Rows are tiled by four; a part-full tile is padded with copies of its
+last row, whose results are dropped.
 """
 
 from __future__ import annotations
@@ -20,12 +29,15 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from worker.engine.kernels.simd import (add_f32, floor_f32, fmadd, keep_lanes_f32, load_f32x8, load_kv8, max_f32,
-                                        max_lane_f32, mul_f32, pow2_f32, splat_f32, store_f32x8, store_kv8, sub_f32,
-                                        sum_pairs_f32, sums8_f32, zeros_f32)
+from worker.engine.kernels.simd import (add_f32, floor_f32, fmadd, load_f32x8, max_f32, mul_f32, pow2_f32,
+                                        splat_f32, store_f32x8, store_kv8, sub_f32, sum_pairs_f32, sums8_f32)
+from worker.engine.kernels.wide_simd import (WIDTH, add_float, floor_floats, fma_float, keep_lanes, largest_lane,
+                                             load_floats, load_widened, max_float, mul_float, pow2_floats,
+                                             put_floats, splat_float, sub_float, to_eight, zeros_float)
 
 KEY_BLOCK = 64
-QUERY_BLOCK = 8
+QUERY_BLOCK = 64
+TILE = 4  # rows a step of the scores and of the value sums takes
 
 
 @intrinsic
@@ -72,230 +84,143 @@ def exp_nonpositive8(x):
 
 
 @njit(inline="always", cache=True)
-def _block_sum(row):
-    """The sum of a block's KEY_BLOCK scores in one fixed order (eight lanes, then a fixed tree):
-    never the order a compiler would pick for the row's alignment in memory."""
-    a = add_f32(load_f32x8(row, 0), load_f32x8(row, 8))
-    b = add_f32(load_f32x8(row, 16), load_f32x8(row, 24))
-    c = add_f32(load_f32x8(row, 32), load_f32x8(row, 40))
-    d = add_f32(load_f32x8(row, 48), load_f32x8(row, 56))
-    return sum_pairs_f32(add_f32(add_f32(a, b), add_f32(c, d)))
-
-
-@njit(inline="always", cache=True)
-def _dot(query, key, head_dim):
-    acc = zeros_f32()
-    for i in range(0, head_dim, 8):
-        acc = fmadd(load_f32x8(query, i), load_kv8(key, i), acc)
-    return sum_pairs_f32(acc)
-
-
-@njit(inline="always", cache=True)
-def _span(start, pos, window):
+def key_span(start, pos, window):
     """The keys of the block from ``start`` that the query at ``pos`` sees: lo..hi-1."""
     lo = max(start, pos - window + 1) if window > 0 else start
     return lo, min(start + KEY_BLOCK, pos + 1)
 
 
 @njit(inline="always", cache=True)
-def _raw_scores(query, keys, kv, lo, hi, start, scores, row):
-    """scores[row, j - start] = query · keys[kv, j] for keys lo..hi-1.
-
-    Eight keys at a time share each load of the query (eight independent sums); every key's
-    sum runs over the head in lanes of eight, then across the lanes in one fixed order, whatever
-    keys or rows it is grouped with."""
-    head_dim = query.shape[0]
-    j = lo
-    while j + 8 <= hi:
-        k0, k1, k2, k3 = keys[kv, j], keys[kv, j + 1], keys[kv, j + 2], keys[kv, j + 3]
-        k4, k5, k6, k7 = keys[kv, j + 4], keys[kv, j + 5], keys[kv, j + 6], keys[kv, j + 7]
-        a0, a1, a2, a3 = zeros_f32(), zeros_f32(), zeros_f32(), zeros_f32()
-        a4, a5, a6, a7 = zeros_f32(), zeros_f32(), zeros_f32(), zeros_f32()
-        for i in range(0, head_dim, 8):
-            x = load_f32x8(query, i)
-            a0 = fmadd(x, load_kv8(k0, i), a0)
-            a1 = fmadd(x, load_kv8(k1, i), a1)
-            a2 = fmadd(x, load_kv8(k2, i), a2)
-            a3 = fmadd(x, load_kv8(k3, i), a3)
-            a4 = fmadd(x, load_kv8(k4, i), a4)
-            a5 = fmadd(x, load_kv8(k5, i), a5)
-            a6 = fmadd(x, load_kv8(k6, i), a6)
-            a7 = fmadd(x, load_kv8(k7, i), a7)
-        store_f32x8(scores[row], j - start, sums8_f32(a0, a1, a2, a3, a4, a5, a6, a7))
-        j += 8
-    while j < hi:
-        scores[row, j - start] = _dot(query, keys[kv, j], head_dim)
-        j += 1
+def _exp_lanes(x):
+    """``exp_nonpositive8`` on WIDTH lanes."""
+    t = mul_float(max_float(x, splat_float(-87.0)), splat_float(1.4426950408889634))
+    n = floor_floats(add_float(t, splat_float(0.5)))
+    f = sub_float(t, n)
+    p = fma_float(splat_float(1.5252734e-5), f, splat_float(1.5403530e-4))
+    p = fma_float(p, f, splat_float(1.3333558e-3))
+    p = fma_float(p, f, splat_float(9.6181291e-3))
+    p = fma_float(p, f, splat_float(5.5504109e-2))
+    p = fma_float(p, f, splat_float(2.4022651e-1))
+    p = fma_float(p, f, splat_float(6.9314718e-1))
+    p = fma_float(p, f, splat_float(1.0))
+    return mul_float(p, pow2_floats(n))
 
 
 @njit(inline="always", cache=True)
-def _raw_scores_tile(q0, q1, q2, q3, keys, kv, lo, hi, start, scores, row, lanes):
-    """``_raw_scores`` for four query rows (row..row+3) at once, two keys at a time: each key's
-    load (and f16 widening) serves four rows, each row's load two keys; the eight sums are the
-    same chains ``_raw_scores`` runs."""
-    head_dim = q0.shape[0]
-    j = lo
-    while j + 2 <= hi:
-        k0, k1 = keys[kv, j], keys[kv, j + 1]
-        a0, a1, a2, a3 = zeros_f32(), zeros_f32(), zeros_f32(), zeros_f32()
-        a4, a5, a6, a7 = zeros_f32(), zeros_f32(), zeros_f32(), zeros_f32()
-        for i in range(0, head_dim, 8):
-            x0, x1 = load_kv8(k0, i), load_kv8(k1, i)
-            y = load_f32x8(q0, i)
-            a0 = fmadd(y, x0, a0)
-            a1 = fmadd(y, x1, a1)
-            y = load_f32x8(q1, i)
-            a2 = fmadd(y, x0, a2)
-            a3 = fmadd(y, x1, a3)
-            y = load_f32x8(q2, i)
-            a4 = fmadd(y, x0, a4)
-            a5 = fmadd(y, x1, a5)
-            y = load_f32x8(q3, i)
-            a6 = fmadd(y, x0, a6)
-            a7 = fmadd(y, x1, a7)
-        store_f32x8(lanes, 0, sums8_f32(a0, a1, a2, a3, a4, a5, a6, a7))
-        c = j - start
-        for r in range(4):
-            scores[row + r, c] = lanes[2 * r]
-            scores[row + r, c + 1] = lanes[2 * r + 1]
-        j += 2
-    if j < hi:
-        c = j - start
-        key = keys[kv, j]
-        scores[row, c] = _dot(q0, key, head_dim)
-        scores[row + 1, c] = _dot(q1, key, head_dim)
-        scores[row + 2, c] = _dot(q2, key, head_dim)
-        scores[row + 3, c] = _dot(q3, key, head_dim)
+def _widen_row(source, count, rows_out, r, chunks):
+    """Row ``source`` (floats, or f16 bits), ``count`` values, as floats into ``rows_out[r]``,
+    WIDTH a vector, zeros past ``count``."""
+    out = rows_out[r]
+    for c in range(chunks):
+        put_floats(out, WIDTH * c, load_widened(source, WIDTH * c, max(0, min(WIDTH, count - WIDTH * c))))
+
+
+@njit(inline="always", cache=True)
+def _score_quad(qf, kf, r, j, chunks, lanes):
+    """Rows r..r+3 against keys j..j+3: sixteen scores into ``lanes`` (row-major), each its
+    lanes over the head, folded to eight, then one fixed tree."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zeros_float()
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = zeros_float()
+    for c in range(chunks):
+        at = WIDTH * c
+        k0, k1 = load_floats(kf[j], at), load_floats(kf[j + 1], at)
+        k2, k3 = load_floats(kf[j + 2], at), load_floats(kf[j + 3], at)
+        q = load_floats(qf[r], at)
+        a0, a1, a2, a3 = fma_float(q, k0, a0), fma_float(q, k1, a1), fma_float(q, k2, a2), fma_float(q, k3, a3)
+        q = load_floats(qf[r + 1], at)
+        a4, a5, a6, a7 = fma_float(q, k0, a4), fma_float(q, k1, a5), fma_float(q, k2, a6), fma_float(q, k3, a7)
+        q = load_floats(qf[r + 2], at)
+        b0, b1, b2, b3 = fma_float(q, k0, b0), fma_float(q, k1, b1), fma_float(q, k2, b2), fma_float(q, k3, b3)
+        q = load_floats(qf[r + 3], at)
+        b4, b5, b6, b7 = fma_float(q, k0, b4), fma_float(q, k1, b5), fma_float(q, k2, b6), fma_float(q, k3, b7)
+    store_f32x8(lanes, 0, sums8_f32(to_eight(a0), to_eight(a1), to_eight(a2), to_eight(a3), to_eight(a4),
+                                    to_eight(a5), to_eight(a6), to_eight(a7)))
+    store_f32x8(lanes, 8, sums8_f32(to_eight(b0), to_eight(b1), to_eight(b2), to_eight(b3), to_eight(b4),
+                                    to_eight(b5), to_eight(b6), to_eight(b7)))
 
 
 @njit(inline="always", cache=True)
 def _softmax_block(scores, row, lo, hi, scale, softcap, running_max, running_sum, acc):
     """Turn a row's raw scores of keys lo..hi-1 (block columns) into e^(s - max), zero the
-    columns it does not see, and rescale its sum and output to the new running maximum. Eight
-    lanes at a time, written out: the loop vectorizer leaves max and floor scalar."""
+    columns it does not see, and rescale its sum and output to the new running maximum."""
     s = scores[row]
     if softcap > 0:
         for j in range(lo, hi):
             s[j] = softcap * np.tanh(s[j] * scale / softcap)
-    top = splat_f32(-np.inf)
-    for c in range(0, KEY_BLOCK, 8):
-        x = load_f32x8(s, c)
+    top = splat_float(-np.inf)
+    for c in range(0, KEY_BLOCK, WIDTH):
+        x = load_floats(s, c)
         if softcap <= 0:
-            x = mul_f32(x, splat_f32(scale))
-        x = keep_lanes_f32(x, c, lo, hi, -np.inf)
-        store_f32x8(s, c, x)
-        top = max_f32(top, x)
-    new_max = max(running_max[row], max_lane_f32(top))
+            x = mul_float(x, splat_float(scale))
+        x = keep_lanes(x, c, lo, hi, -np.inf)
+        put_floats(s, c, x)
+        top = max_float(top, x)
+    new_max = max(running_max[row], largest_lane(top))
     correction = exp_nonpositive(running_max[row] - new_max)
     running_max[row] = new_max
-    for c in range(0, KEY_BLOCK, 8):
-        p = exp_nonpositive8(sub_f32(load_f32x8(s, c), splat_f32(new_max)))
-        store_f32x8(s, c, keep_lanes_f32(p, c, lo, hi, 0.0))
-    running_sum[row] = running_sum[row] * correction + _block_sum(s)
-    out = acc[row]
-    for i in range(0, out.shape[0], 8):
-        store_f32x8(out, i, mul_f32(load_f32x8(out, i), splat_f32(correction)))
+    total = zeros_float()
+    for c in range(0, KEY_BLOCK, WIDTH):
+        p = keep_lanes(_exp_lanes(sub_float(load_floats(s, c), splat_float(new_max))), c, lo, hi, 0.0)
+        put_floats(s, c, p)
+        total = add_float(total, p)
+    # the block's weights, folded to eight lanes, then added in one fixed tree
+    running_sum[row] = running_sum[row] * correction + sum_pairs_f32(to_eight(total))
+    if correction != 1.0:  # a scale of exactly 1 changes nothing
+        out = acc[row]
+        factor = splat_float(correction)
+        for i in range(0, out.shape[0], WIDTH):
+            put_floats(out, i, mul_float(load_floats(out, i), factor))
 
 
 @njit(inline="always", cache=True)
-def _add_values(values, kv, lo, hi, start, scores, row, acc):
-    """acc[row] += Σ_j p_j · values[kv, j] over keys lo..hi-1: 64 values at a time (eight
-    independent sums), then 16; each value's sum runs over the keys in order."""
-    value_dim = values.shape[2]
-    out = acc[row]
-    i = 0
-    while i + 64 <= value_dim:
-        a0, a1, a2, a3 = load_f32x8(out, i), load_f32x8(out, i + 8), load_f32x8(out, i + 16), load_f32x8(out, i + 24)
-        a4, a5, a6, a7 = (load_f32x8(out, i + 32), load_f32x8(out, i + 40), load_f32x8(out, i + 48),
-                          load_f32x8(out, i + 56))
-        for j in range(lo, hi):
-            p = splat_f32(scores[row, j - start])
-            v = values[kv, j]
-            a0 = fmadd(p, load_kv8(v, i), a0)
-            a1 = fmadd(p, load_kv8(v, i + 8), a1)
-            a2 = fmadd(p, load_kv8(v, i + 16), a2)
-            a3 = fmadd(p, load_kv8(v, i + 24), a3)
-            a4 = fmadd(p, load_kv8(v, i + 32), a4)
-            a5 = fmadd(p, load_kv8(v, i + 40), a5)
-            a6 = fmadd(p, load_kv8(v, i + 48), a6)
-            a7 = fmadd(p, load_kv8(v, i + 56), a7)
-        store_f32x8(out, i, a0)
-        store_f32x8(out, i + 8, a1)
-        store_f32x8(out, i + 16, a2)
-        store_f32x8(out, i + 24, a3)
-        store_f32x8(out, i + 32, a4)
-        store_f32x8(out, i + 40, a5)
-        store_f32x8(out, i + 48, a6)
-        store_f32x8(out, i + 56, a7)
-        i += 64
-    while i < value_dim:
-        a0, a1 = load_f32x8(out, i), load_f32x8(out, i + 8)
-        for j in range(lo, hi):
-            p = splat_f32(scores[row, j - start])
-            v = values[kv, j]
-            a0 = fmadd(p, load_kv8(v, i), a0)
-            a1 = fmadd(p, load_kv8(v, i + 8), a1)
-        store_f32x8(out, i, a0)
-        store_f32x8(out, i + 8, a1)
-        i += 16
+def _add_values(vf, weights, r, first_key, last_key, acc, c):
+    """acc[r..r+3] dims of chunk pair c (2 · WIDTH dims) += Σ_j weight · value over keys
+    first_key..last_key-1 in order (a row's weights outside its own keys are 0, adding nothing)."""
+    at = 2 * WIDTH * c
+    o0, o1, o2, o3 = acc[r], acc[r + 1], acc[r + 2], acc[r + 3]
+    a0, a1 = load_floats(o0, at), load_floats(o0, at + WIDTH)
+    a2, a3 = load_floats(o1, at), load_floats(o1, at + WIDTH)
+    a4, a5 = load_floats(o2, at), load_floats(o2, at + WIDTH)
+    a6, a7 = load_floats(o3, at), load_floats(o3, at + WIDTH)
+    for j in range(first_key, last_key):
+        v0, v1 = load_floats(vf[j], at), load_floats(vf[j], at + WIDTH)
+        p = splat_float(weights[r, j])
+        a0, a1 = fma_float(p, v0, a0), fma_float(p, v1, a1)
+        p = splat_float(weights[r + 1, j])
+        a2, a3 = fma_float(p, v0, a2), fma_float(p, v1, a3)
+        p = splat_float(weights[r + 2, j])
+        a4, a5 = fma_float(p, v0, a4), fma_float(p, v1, a5)
+        p = splat_float(weights[r + 3, j])
+        a6, a7 = fma_float(p, v0, a6), fma_float(p, v1, a7)
+    put_floats(o0, at, a0)
+    put_floats(o0, at + WIDTH, a1)
+    put_floats(o1, at, a2)
+    put_floats(o1, at + WIDTH, a3)
+    put_floats(o2, at, a4)
+    put_floats(o2, at + WIDTH, a5)
+    put_floats(o3, at, a6)
+    put_floats(o3, at + WIDTH, a7)
 
 
-@njit(inline="always", cache=True)
-def _add_values_tile(values, kv, lo, hi, start, scores, row, acc):
-    """``_add_values`` for four rows (row..row+3) at once, 16 values at a time: each value's
-    load serves four rows. A row's weights outside its own keys are 0, which adds nothing, so
-    every output's sum runs over the same keys in the same order as alone."""
-    value_dim = values.shape[2]
-    o0, o1, o2, o3 = acc[row], acc[row + 1], acc[row + 2], acc[row + 3]
-    for i in range(0, value_dim, 16):
-        a0, a1, a2, a3 = load_f32x8(o0, i), load_f32x8(o0, i + 8), load_f32x8(o1, i), load_f32x8(o1, i + 8)
-        a4, a5, a6, a7 = load_f32x8(o2, i), load_f32x8(o2, i + 8), load_f32x8(o3, i), load_f32x8(o3, i + 8)
-        for j in range(lo, hi):
-            v = values[kv, j]
-            x0, x1 = load_kv8(v, i), load_kv8(v, i + 8)
-            c = j - start
-            p = splat_f32(scores[row, c])
-            a0 = fmadd(p, x0, a0)
-            a1 = fmadd(p, x1, a1)
-            p = splat_f32(scores[row + 1, c])
-            a2 = fmadd(p, x0, a2)
-            a3 = fmadd(p, x1, a3)
-            p = splat_f32(scores[row + 2, c])
-            a4 = fmadd(p, x0, a4)
-            a5 = fmadd(p, x1, a5)
-            p = splat_f32(scores[row + 3, c])
-            a6 = fmadd(p, x0, a6)
-            a7 = fmadd(p, x1, a7)
-        store_f32x8(o0, i, a0)
-        store_f32x8(o0, i + 8, a1)
-        store_f32x8(o1, i, a2)
-        store_f32x8(o1, i + 8, a3)
-        store_f32x8(o2, i, a4)
-        store_f32x8(o2, i + 8, a5)
-        store_f32x8(o3, i, a6)
-        store_f32x8(o3, i + 8, a7)
-
-
-# Every fast-math licence but reassociation: the tiles and the single rows must add in the
-# orders written (lanes, then a fixed tree), which a reassociating compiler would change.
-@njit(parallel=True, fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn"}, nogil=True, cache=True)
+# No reassociation: rows must add in the orders written (lanes, then a fixed tree), which a
+# reassociating compiler would change; and infinities are real here (a running maximum starts
+# at -inf).
+@njit(parallel=True, fastmath={"nsz", "arcp", "contract", "afn"}, nogil=True, cache=True)
 def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
     """q [T, H, d]; keys [K, L, d]; values [K, L, dv] with L = first_pos + T; out [T, H*dv].
-    d must be a multiple of 8, dv of 16; the last axis of each array contiguous. Keys and
-    values are float32, or uint16 holding IEEE halves (an f16 cache).
+    The last axis of each array contiguous. Keys and values are float32, or uint16 holding
+    IEEE halves (an f16 cache).
 
     Query t (at position first_pos + t) sees key j iff j <= first_pos + t and, when window > 0,
     first_pos + t - j < window. softcap > 0 replaces a score s by softcap * tanh(s / softcap).
-
-    A task's rows are (token, head of the group) in token order; each key block goes through
-    three passes over them: raw scores, four rows at a time; the online softmax, row by row;
-    the value sums, four rows at a time. Rows left over from fours go one by one, through the
-    same arithmetic.
     """
     n_tokens, n_head, head_dim = q.shape
     n_kv = keys.shape[0]
+    n_keys = keys.shape[1]
     value_dim = values.shape[2]
     group = n_head // n_kv
+    d_chunks = (head_dim + WIDTH - 1) // WIDTH
+    v_steps = (value_dim + 2 * WIDTH - 1) // (2 * WIDTH)  # the value sums take 2 · WIDTH dims a step
     query_blocks = (n_tokens + QUERY_BLOCK - 1) // QUERY_BLOCK
     for task in prange(n_kv * query_blocks):
         kv = task % n_kv
@@ -306,54 +231,61 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
         t0 = block * QUERY_BLOCK
         t1 = min(n_tokens, t0 + QUERY_BLOCK)
         rows = (t1 - t0) * group
-        tiled = rows - rows % 4
-        scores = np.empty((rows, KEY_BLOCK), dtype=np.float32)
-        lanes = np.empty(8, dtype=np.float32)
-        acc = np.zeros((rows, value_dim), dtype=np.float32)
-        running_max = np.full(rows, -np.inf, dtype=np.float32)
-        running_sum = np.zeros(rows, dtype=np.float32)
+        padded = rows + (-rows) % TILE
+        # row r is token t0 + r // group, head kv * group + r % group; padding repeats the last row
+        position = np.empty(padded, dtype=np.int64)
+        qf = np.empty((padded, WIDTH * d_chunks), dtype=np.float32)
+        for r in range(padded):
+            real = min(r, rows - 1)
+            position[r] = first_pos + t0 + real // group
+            _widen_row(q[t0 + real // group, kv * group + real % group], head_dim, qf, r, d_chunks)
+        kf = np.empty((KEY_BLOCK, WIDTH * d_chunks), dtype=np.float32)
+        vf = np.empty((KEY_BLOCK, 2 * WIDTH * v_steps), dtype=np.float32)
+        scores = np.empty((padded, KEY_BLOCK), dtype=np.float32)
+        lanes = np.empty(16, dtype=np.float32)
+        acc = np.zeros((padded, 2 * WIDTH * v_steps), dtype=np.float32)
+        running_max = np.full(padded, -np.inf, dtype=np.float32)
+        running_sum = np.zeros(padded, dtype=np.float32)
         lowest = max(0, first_pos + t0 - window + 1) if window > 0 else 0
         last = first_pos + t1 - 1
         for start in range(lowest - lowest % KEY_BLOCK, last + 1, KEY_BLOCK):
+            count = min(KEY_BLOCK, n_keys - start)
+            for j in range(KEY_BLOCK):
+                present = j < count
+                _widen_row(keys[kv, start + j] if present else keys[kv, start], head_dim if present else 0, kf, j,
+                           d_chunks)
+                _widen_row(values[kv, start + j] if present else values[kv, start], value_dim if present else 0,
+                           vf, j, 2 * v_steps)
             # rows are in token order and a span's ends grow with the position: the keys a
             # tile's rows may see run from its first row's lo to its last row's hi
-            for row in range(0, tiled, 4):
-                lo = _span(start, first_pos + t0 + row // group, window)[0]
-                hi = _span(start, first_pos + t0 + (row + 3) // group, window)[1]
+            for r in range(0, padded, TILE):
+                lo = key_span(start, position[r], window)[0]
+                hi = key_span(start, position[r + 3], window)[1]
+                if lo >= hi:
+                    continue
+                for j in range(lo - lo % 4 - start, hi - start, 4):
+                    _score_quad(qf, kf, r, j, d_chunks, lanes)
+                    for t in range(TILE):
+                        for i in range(4):
+                            scores[r + t, j + i] = lanes[4 * t + i]
+            for r in range(padded):
+                lo, hi = key_span(start, position[r], window)
                 if lo < hi:
-                    _raw_scores_tile(q[t0 + row // group, kv * group + row % group],
-                                     q[t0 + (row + 1) // group, kv * group + (row + 1) % group],
-                                     q[t0 + (row + 2) // group, kv * group + (row + 2) % group],
-                                     q[t0 + (row + 3) // group, kv * group + (row + 3) % group],
-                                     keys, kv, lo, hi, start, scores, row, lanes)
-            for row in range(tiled, rows):
-                lo, hi = _span(start, first_pos + t0 + row // group, window)
-                if lo < hi:
-                    _raw_scores(q[t0 + row // group, kv * group + row % group], keys, kv, lo, hi, start, scores,
-                                row)
-            for row in range(rows):
-                lo, hi = _span(start, first_pos + t0 + row // group, window)
-                if lo < hi:
-                    _softmax_block(scores, row, lo - start, hi - start, scale, softcap, running_max, running_sum,
-                                   acc)
+                    _softmax_block(scores, r, lo - start, hi - start, scale, softcap, running_max, running_sum, acc)
                 else:  # no key of this block: its weights are 0 for the tiles' value sums
-                    scores[row, :] = 0.0
-            for row in range(0, tiled, 4):
-                lo = _span(start, first_pos + t0 + row // group, window)[0]
-                hi = _span(start, first_pos + t0 + (row + 3) // group, window)[1]
+                    scores[r, :] = 0.0
+            for r in range(0, padded, TILE):
+                lo = key_span(start, position[r], window)[0]
+                hi = key_span(start, position[r + 3], window)[1]
                 if lo < hi:
-                    _add_values_tile(values, kv, lo, hi, start, scores, row, acc)
-            for row in range(tiled, rows):
-                lo, hi = _span(start, first_pos + t0 + row // group, window)
-                if lo < hi:
-                    _add_values(values, kv, lo, hi, start, scores, row, acc)
-        for t in range(t0, t1):
-            for g in range(group):
-                row = (t - t0) * group + g
-                h = kv * group + g
-                inverse = np.float32(1.0) / running_sum[row]
-                for i in range(value_dim):
-                    out[t, h * value_dim + i] = acc[row, i] * inverse
+                    for c in range(v_steps):
+                        _add_values(vf, scores, r, lo - start, hi - start, acc, c)
+        for r in range(rows):
+            t = t0 + r // group
+            h = kv * group + r % group
+            inverse = np.float32(1.0) / running_sum[r]
+            for i in range(value_dim):
+                out[t, h * value_dim + i] = acc[r, i] * inverse
     return out
 
 

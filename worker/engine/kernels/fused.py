@@ -7,64 +7,46 @@ RoPE), the attention of each sequence over its cache (``attention.store_and_atte
 ``attention_output_swiglu`` (output projection, residual, RMSNorm, gate/up, SiLU, down,
 residual), or ``attention_output`` where the feed-forward half is not a SwiGLU.
 
-Weights are passed as their GGUF bytes [n_out, row bytes] with their GGML type code; every
-product goes to the kernel of that type (``product``). Rows stay independent throughout, so a
-stream's numbers do not depend on the batch around it.
+Weights are passed as the arrays their kernels take (``weights.Weight.kernel_array``); every
+product goes to the kernel of the array's type (``product``). Rows stay independent
+throughout, so a stream's numbers do not depend on the batch around it.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
-from worker.engine.kernels import attention, matmul, rowwise
-from worker.engine.kernels.activations import BLOCK, quantize_rows
+from worker.engine.kernels import attention, gemm, matmul, rowwise
+from worker.engine.kernels.activations import quantized
 from worker.engine.kernels.attention import exp_nonpositive, exp_nonpositive8
 from worker.engine.kernels.simd import (abs_f32, add_f32, div_f32, load_f32x8, mul_f32, splat_f32, store_f32x8, sub_f32,
                                         where_nonnegative_f32, zeros_f32)
 
-# GGML type codes of the types with a kernel (gguf.GGMLQuantizationType values)
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
-TYPE_CODES = frozenset((F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16))
+def product(weights, x, acts, out):
+    """out [m, n_out] = x Wᵀ by the kernel of W's type, which the numba type of its array names:
+    the record of its panel blocks (``panels.block_dtype``), float32, or the record of a 2-byte
+    float (``weights.FLOAT_RECORDS``). Only the kernels of the types a file holds compile.
+    acts: x's int8 form (values, scales, sums, isums, hsums)."""
 
 
-@njit(nogil=True, cache=True)
-def quantized(x):
-    """x [m, n] -> its int8 form (values, scales, sums) for the integer kernels."""
-    m, n = x.shape
-    values = np.empty((m, n), dtype=np.int8)
-    scales = np.empty((m, n // BLOCK), dtype=np.float32)
-    sums = np.empty((m, n // BLOCK), dtype=np.float32)
-    quantize_rows(x, values, scales, sums)
-    return values, scales, sums
+@overload(product, jit_options={"nogil": True})
+def _product(weights, x, acts, out):
+    dtype = weights.dtype
+    if isinstance(dtype, types.Record):
+        name = next(iter(dtype.fields))
+        if name in FLOAT_KINDS:
+            kind = FLOAT_KINDS[name]
+            return lambda weights, x, acts, out: matmul.matmul_float(kind, weights, x, out)
+        kernel = getattr(gemm, f"gemm_{name}")
+        return lambda weights, x, acts, out: kernel(weights, acts[0], acts[1], acts[2], acts[3], acts[4], out)
+    if dtype == types.float32:
+        return lambda weights, x, acts, out: matmul.matmul_float(matmul.F32, weights, x, out)
+    raise TypeError(f"no product for weights of {dtype}")
 
 
-@njit(nogil=True, cache=True)
-def product(kind, weights, x, values, scales, sums, out):
-    """out [m, n_out] = x Wᵀ for W of GGML type ``kind``; (values, scales, sums) is x's int8 form."""
-    if kind == Q4_0:
-        matmul.matmul_q4_0(weights, values, scales, sums, out)
-    elif kind == Q4_1:
-        matmul.matmul_q4_1(weights, values, scales, sums, out)
-    elif kind == Q5_0:
-        matmul.matmul_q5_0(weights, values, scales, sums, out)
-    elif kind == Q5_1:
-        matmul.matmul_q5_1(weights, values, scales, sums, out)
-    elif kind == Q8_0:
-        matmul.matmul_q8_0(weights, values, scales, sums, out)
-    elif kind == Q4_K:
-        matmul.matmul_q4_k(weights, values, scales, sums, out)
-    elif kind == Q5_K:
-        matmul.matmul_q5_k(weights, values, scales, sums, out)
-    elif kind == Q6_K:
-        matmul.matmul_q6_k(weights, values, scales, sums, out)
-    elif kind == F32:
-        matmul.matmul_float(matmul.F32, weights, x, out)
-    elif kind == F16:
-        matmul.matmul_float(matmul.F16, weights, x, out)
-    else:
-        matmul.matmul_float(matmul.BF16, weights, x, out)
-    return out
+FLOAT_KINDS = {"f16": matmul.F16, "bf16": matmul.BF16}
 
 
 @njit(nogil=True, cache=True)
@@ -76,21 +58,20 @@ def _add_bias(y, bias):
 
 
 @njit(nogil=True, cache=True)
-def attention_inputs(x, norm, eps, wq, wk, wv, kinds, bq, bk, bv, q_norm, k_norm, cos, sin, adjacent,
+def attention_inputs(x, norm, eps, wq, wk, wv, bq, bk, bv, q_norm, k_norm, cos, sin, adjacent,
                      n_head, n_kv, head_dim, value_dim):
     """h = RMSNorm(x) · norm; q, k, v = h Wqᵀ + bq, h Wkᵀ + bk, h Wvᵀ + bv (a bias of size 0 is
     none), per-head RMSNorm of q and k where q_norm / k_norm are given, RoPE on q and k
-    (``rowwise.rope``). kinds: the GGML types of wq, wk, wv. Returns q [T, H, d], k [T, K, d],
-    v [T, K, dv]."""
+    (``rowwise.rope``). Returns q [T, H, d], k [T, K, d], v [T, K, dv]."""
     m = x.shape[0]
     h = rowwise.rms_norm(x, norm, eps, np.empty_like(x))
-    values, scales, sums = quantized(h)
+    acts = quantized(h)
     q = np.empty((m, n_head * head_dim), dtype=np.float32)
     k = np.empty((m, n_kv * head_dim), dtype=np.float32)
     v = np.empty((m, n_kv * value_dim), dtype=np.float32)
-    product(kinds[0], wq, h, values, scales, sums, q)
-    product(kinds[1], wk, h, values, scales, sums, k)
-    product(kinds[2], wv, h, values, scales, sums, v)
+    product(wq, h, acts, q)
+    product(wk, h, acts, k)
+    product(wv, h, acts, v)
     _add_bias(q, bq)
     _add_bias(k, bk)
     _add_bias(v, bv)
@@ -108,10 +89,9 @@ def attention_inputs(x, norm, eps, wq, wk, wv, kinds, bq, bk, bv, q_norm, k_norm
 
 
 @njit(nogil=True, cache=True)
-def attention_output(x, attn, wo, kind):
+def attention_output(x, attn, wo):
     """x += attn Woᵀ (in place)."""
-    values, scales, sums = quantized(attn)
-    y = product(kind, wo, attn, values, scales, sums, np.empty(x.shape, dtype=np.float32))
+    y = product(wo, attn, quantized(attn), np.empty(x.shape, dtype=np.float32))
     x += y
     return x
 
@@ -146,28 +126,26 @@ def silu_times(g, u):
 
 
 @njit(nogil=True, cache=True)
-def swiglu(x, norm, eps, wg, wu, wd, kinds, n_ff):
-    """x += down(silu(h Wgᵀ) · h Wuᵀ) with h = RMSNorm(x) · norm (in place). kinds: the GGML
-    types of wg, wu, wd."""
+def swiglu(x, norm, eps, wg, wu, wd, n_ff):
+    """x += down(silu(h Wgᵀ) · h Wuᵀ) with h = RMSNorm(x) · norm (in place)."""
     m = x.shape[0]
     h = rowwise.rms_norm(x, norm, eps, np.empty_like(x))
-    values, scales, sums = quantized(h)
+    acts = quantized(h)
     g = np.empty((m, n_ff), dtype=np.float32)
     u = np.empty((m, n_ff), dtype=np.float32)
-    product(kinds[0], wg, h, values, scales, sums, g)
-    product(kinds[1], wu, h, values, scales, sums, u)
+    product(wg, h, acts, g)
+    product(wu, h, acts, u)
     t = silu_times(g, u)
-    values, scales, sums = quantized(t)
-    y = product(kinds[2], wd, t, values, scales, sums, np.empty(x.shape, dtype=np.float32))
+    y = product(wd, t, quantized(t), np.empty(x.shape, dtype=np.float32))
     x += y
     return x
 
 
 @njit(nogil=True, cache=True)
-def attention_output_swiglu(x, attn, wo, kind_o, norm, eps, wg, wu, wd, kinds, n_ff):
+def attention_output_swiglu(x, attn, wo, norm, eps, wg, wu, wd, n_ff):
     """``attention_output`` then ``swiglu``: the second half of a dense block in one call."""
-    attention_output(x, attn, wo, kind_o)
-    return swiglu(x, norm, eps, wg, wu, wd, kinds, n_ff)
+    attention_output(x, attn, wo)
+    return swiglu(x, norm, eps, wg, wu, wd, n_ff)
 
 
 @njit(nogil=True, cache=True)

@@ -19,8 +19,9 @@ import numpy as np
 from numba import njit, prange
 
 from worker.engine.kernels import blocks
-from worker.engine.kernels.simd import (fmadd, hadd_i32, join_halves_i32, load_bf16x8, load_f16x8, load_f32x8,
-                                        load_f32x8_at, load_i8x32, mul_f32, splat_f32, sum_f32, to_f32, zeros_f32)
+from worker.engine.kernels.simd import (fmadd, hadd_i32, join_halves_i32, load_bf16, load_bf16x8, load_f16,
+                                        load_f16x8, load_f32, load_f32x8, load_f32x8_at, load_i8x32, mul_f32,
+                                        splat_f32, sum_f32, to_f32, zeros_f32)
 
 TILE = 4  # rows of x per pass over a weight row
 CHUNK = 64  # rows of x per pass over the weights: their int8 values stay in the core's cache
@@ -214,31 +215,53 @@ def _float_weights(kind, row, e):
     return load_bf16x8(row, 2 * e)
 
 
-@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+@njit(inline="always", cache=True)
+def _float_weight(kind, row, e):
+    """Weight e of a row of float kind ``kind``."""
+    if kind == F32:
+        return load_f32(row, 4 * e)
+    if kind == F16:
+        return load_f16(row, 2 * e)
+    return load_bf16(row, 2 * e)
+
+
+@njit(inline="always", cache=True)
+def _float_tail(kind, row, x, vectors, n, acc):
+    """The lanes' sum, then the weights past the last whole eight one by one."""
+    total = sum_f32(acc)
+    for e in range(vectors, n):
+        total += _float_weight(kind, row, e) * x[e]
+    return total
+
+
+@njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)
 def matmul_float(kind, weights, x, out):
-    """weights [n_out, row bytes] uint8 holding n floats of ``kind`` per row; x [m, n] float32
-    (n % 8 == 0). The kind's branch is the same for every weight, so it costs nothing."""
+    """weights [n_out, ...] holding n floats of ``kind`` per row (float32 rows, the records of
+    ``weights.FLOAT_RECORDS``, or the file's bytes); x [m, n] float32. The kind's branch is the
+    same for every weight, so it costs nothing. Each output sums eight lanes over the row,
+    then the lanes in a fixed order, then the tail: the same in the tiled and single loops."""
     m, n = x.shape
+    vectors = n - n % 8
     tiled = m - m % TILE
     for o in prange(weights.shape[0]):
         row = weights[o]
         for r in range(0, tiled, TILE):
             a0, a1, a2, a3 = zeros_f32(), zeros_f32(), zeros_f32(), zeros_f32()
-            for e in range(0, n, 8):
+            for e in range(0, vectors, 8):
                 w = _float_weights(kind, row, e)
                 a0 = fmadd(w, load_f32x8(x[r], e), a0)
                 a1 = fmadd(w, load_f32x8(x[r + 1], e), a1)
                 a2 = fmadd(w, load_f32x8(x[r + 2], e), a2)
                 a3 = fmadd(w, load_f32x8(x[r + 3], e), a3)
-            out[r, o] = sum_f32(a0)
-            out[r + 1, o] = sum_f32(a1)
-            out[r + 2, o] = sum_f32(a2)
-            out[r + 3, o] = sum_f32(a3)
+            out[r, o] = _float_tail(kind, row, x[r], vectors, n, a0)
+            out[r + 1, o] = _float_tail(kind, row, x[r + 1], vectors, n, a1)
+            out[r + 2, o] = _float_tail(kind, row, x[r + 2], vectors, n, a2)
+            out[r + 3, o] = _float_tail(kind, row, x[r + 3], vectors, n, a3)
         for r in range(tiled, m):
             acc = zeros_f32()
-            for e in range(0, n, 8):
+            for e in range(0, vectors, 8):
                 acc = fmadd(_float_weights(kind, row, e), load_f32x8(x[r], e), acc)
-            out[r, o] = sum_f32(acc)
+            out[r, o] = _float_tail(kind, row, x[r], vectors, n, acc)
     return out
 
 

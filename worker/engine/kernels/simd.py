@@ -24,7 +24,8 @@ from numba.extending import intrinsic, models, register_model
 
 
 class Vector(types.Type):
-    """A 256-bit vector of ``lanes`` elements of ``element`` (an LLVM type name)."""
+    """A vector of ``lanes`` elements of ``element`` (an LLVM type name); 256 bits here, wider in
+    ``wide_simd.py``."""
 
     def __init__(self, element: str, lanes: int):
         self.element = element
@@ -48,7 +49,7 @@ class _VectorModel(models.PrimitiveModel):
         super().__init__(dmm, fe_type, fe_type.llvm_type())
 
 
-def _call(builder: ir.IRBuilder, name: str, result: ir.Type, args: list) -> ir.Value:
+def call_intrinsic(builder: ir.IRBuilder, name: str, result: ir.Type, args: list) -> ir.Value:
     """Call an LLVM intrinsic (declared on first use in the module)."""
     module = builder.module
     fn = module.globals.get(name)
@@ -69,7 +70,7 @@ def _broadcast(builder: ir.IRBuilder, scalar: ir.Value, vector_type: ir.VectorTy
     return builder.shuffle_vector(first, first, lanes)
 
 
-def _address(context, builder, array_type, array, byte_offset):
+def address_of(context, builder, array_type, array, byte_offset):
     """An i8* to byte ``byte_offset`` of a contiguous array's data."""
     data = cgutils.create_struct_proxy(array_type)(context, builder, value=array).data
     raw = builder.bitcast(data, ir.IntType(8).as_pointer())
@@ -86,7 +87,7 @@ def _load(builder, address, vector_type: ir.Type) -> ir.Value:
 def load_i8x32(typingctx, array, byte_offset):
     """32 bytes of ``array`` from ``byte_offset`` (no alignment needed)."""
     def codegen(context, builder, sig, args):
-        address = _address(context, builder, sig.args[0], args[0], args[1])
+        address = address_of(context, builder, sig.args[0], args[0], args[1])
         return _load(builder, address, I8x32.llvm_type())
     return I8x32(array, byte_offset), codegen
 
@@ -96,7 +97,7 @@ def load_i8x16_nibbles(typingctx, array, byte_offset):
     """16 bytes holding 32 four-bit values → 32 bytes 0..15: the low nibbles of the 16 bytes
     first, then their high nibbles (the order of GGML's 4-bit blocks)."""
     def codegen(context, builder, sig, args):
-        address = _address(context, builder, sig.args[0], args[0], args[1])
+        address = address_of(context, builder, sig.args[0], args[0], args[1])
         low16 = _load(builder, address, ir.VectorType(ir.IntType(8), 16))
         # the high nibbles shifted down four bits, in 16-bit lanes (x86 has no byte shift)
         words = builder.bitcast(low16, ir.VectorType(ir.IntType(16), 8))
@@ -112,7 +113,7 @@ def load_i8x8_crumbs(typingctx, array, byte_offset):
     """8 bytes holding 32 two-bit values → 32 bytes 0..3: value j from bits 2·(j % 4) of byte
     j // 4 (the order of Q2_0's blocks)."""
     def codegen(context, builder, sig, args):
-        address = _address(context, builder, sig.args[0], args[0], args[1])
+        address = address_of(context, builder, sig.args[0], args[0], args[1])
         packed = _load(builder, address, ir.VectorType(ir.IntType(8), 8))
         eight = ir.VectorType(ir.IntType(8), 8)
         # crumb k of every byte, each in its own vector of 8 lanes
@@ -129,9 +130,29 @@ def load_i8x8_crumbs(typingctx, array, byte_offset):
 def load_f16(typingctx, array, byte_offset):
     """The IEEE half at ``byte_offset`` of ``array`` as a float32."""
     def codegen(context, builder, sig, args):
-        address = _address(context, builder, sig.args[0], args[0], args[1])
+        address = address_of(context, builder, sig.args[0], args[0], args[1])
         half = builder.load(builder.bitcast(address, ir.HalfType().as_pointer()), align=1)
         return builder.fpext(half, ir.FloatType())
+    return types.float32(array, byte_offset), codegen
+
+
+@intrinsic
+def load_f32(typingctx, array, byte_offset):
+    """The float32 at ``byte_offset`` of any contiguous array's data."""
+    def codegen(context, builder, sig, args):
+        address = address_of(context, builder, sig.args[0], args[0], args[1])
+        return builder.load(builder.bitcast(address, ir.FloatType().as_pointer()), align=1)
+    return types.float32(array, byte_offset), codegen
+
+
+@intrinsic
+def load_bf16(typingctx, array, byte_offset):
+    """The bfloat16 at ``byte_offset`` as a float32 (its bits are a float32's high half)."""
+    def codegen(context, builder, sig, args):
+        address = address_of(context, builder, sig.args[0], args[0], args[1])
+        bits = builder.zext(builder.load(builder.bitcast(address, ir.IntType(16).as_pointer()), align=1),
+                            ir.IntType(32))
+        return builder.bitcast(builder.shl(bits, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
     return types.float32(array, byte_offset), codegen
 
 
@@ -198,7 +219,7 @@ def store_kv8(typingctx, array, element_offset, value):
 def load_f32x8_at(typingctx, array, byte_offset):
     """8 float32 from ``byte_offset`` of a byte array."""
     def codegen(context, builder, sig, args):
-        address = _address(context, builder, sig.args[0], args[0], args[1])
+        address = address_of(context, builder, sig.args[0], args[0], args[1])
         return _load(builder, address, F32x8.llvm_type())
     return F32x8(array, byte_offset), codegen
 
@@ -207,7 +228,7 @@ def load_f32x8_at(typingctx, array, byte_offset):
 def load_f16x8(typingctx, array, byte_offset):
     """8 IEEE halves from ``byte_offset`` as 8 float32."""
     def codegen(context, builder, sig, args):
-        address = _address(context, builder, sig.args[0], args[0], args[1])
+        address = address_of(context, builder, sig.args[0], args[0], args[1])
         halves = _load(builder, address, ir.VectorType(ir.HalfType(), 8))
         return builder.fpext(halves, F32x8.llvm_type())
     return F32x8(array, byte_offset), codegen
@@ -217,7 +238,7 @@ def load_f16x8(typingctx, array, byte_offset):
 def load_bf16x8(typingctx, array, byte_offset):
     """8 bfloat16 from ``byte_offset`` as 8 float32 (a bfloat16 is a float32's high half)."""
     def codegen(context, builder, sig, args):
-        address = _address(context, builder, sig.args[0], args[0], args[1])
+        address = address_of(context, builder, sig.args[0], args[0], args[1])
         words = _load(builder, address, ir.VectorType(ir.IntType(16), 8))
         wide = builder.zext(words, I32x8.llvm_type())
         shifted = builder.shl(wide, ir.Constant(wide.type, [16] * 8))
@@ -227,14 +248,14 @@ def load_bf16x8(typingctx, array, byte_offset):
 
 # --- integer products -------------------------------------------------------------------------
 
-def _host_has(*names: str) -> bool:
+def host_has(*names: str) -> bool:
     from llvmlite import binding
 
     features = binding.get_host_cpu_features()
     return all(features.get(name, False) for name in names)
 
 
-HAS_VNNI = _host_has("avx512vnni", "avx512vl") or _host_has("avxvnni")
+HAS_VNNI = host_has("avx512vnni", "avx512vl") or host_has("avxvnni")
 
 
 @intrinsic
@@ -246,10 +267,10 @@ def dot_bytes(typingctx, unsigned_bytes, signed_bytes, pair_scales):
     def codegen(context, builder, sig, args):
         u, s, scales = args
         if not HAS_VNNI:
-            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", I16x16.llvm_type(), [u, s])
-            return _call(builder, "llvm.x86.avx2.pmadd.wd", I32x8.llvm_type(), [pairs, scales])
+            pairs = call_intrinsic(builder, "llvm.x86.avx2.pmadd.ub.sw", I16x16.llvm_type(), [u, s])
+            return call_intrinsic(builder, "llvm.x86.avx2.pmadd.wd", I32x8.llvm_type(), [pairs, scales])
         lanes = I32x8.llvm_type()
-        sums = _call(builder, "llvm.x86.avx512.vpdpbusd.256", lanes,
+        sums = call_intrinsic(builder, "llvm.x86.avx512.vpdpbusd.256", lanes,
                      [ir.Constant(lanes, [0] * 8), builder.bitcast(u, lanes), builder.bitcast(s, lanes)])
         even = builder.shuffle_vector(scales, scales, ir.Constant(ir.VectorType(ir.IntType(32), 8),
                                                                   list(range(0, 16, 2))))
@@ -261,14 +282,14 @@ def dot_bytes(typingctx, unsigned_bytes, signed_bytes, pair_scales):
 def sign_bytes(typingctx, a, b):
     """a with each byte negated where b's is negative and zeroed where b's is zero."""
     def codegen(context, builder, sig, args):
-        return _call(builder, "llvm.x86.avx2.psign.b", I8x32.llvm_type(), list(args))
+        return call_intrinsic(builder, "llvm.x86.avx2.psign.b", I8x32.llvm_type(), list(args))
     return I8x32(I8x32, I8x32), codegen
 
 
 @intrinsic
 def abs_bytes(typingctx, a):
     def codegen(context, builder, sig, args):
-        return _call(builder, "llvm.abs.v32i8", I8x32.llvm_type(), [args[0], ir.Constant(ir.IntType(1), 0)])
+        return call_intrinsic(builder, "llvm.abs.v32i8", I8x32.llvm_type(), [args[0], ir.Constant(ir.IntType(1), 0)])
     return I8x32(I8x32), codegen
 
 
@@ -371,7 +392,7 @@ def pair_scales_i16(typingctx, low, high):
 def load_u32(typingctx, array, byte_offset):
     """The little-endian uint32 at ``byte_offset`` of a byte array (no alignment needed), as uint64."""
     def codegen(context, builder, sig, args):
-        address = _address(context, builder, sig.args[0], args[0], args[1])
+        address = address_of(context, builder, sig.args[0], args[0], args[1])
         word = builder.load(builder.bitcast(address, ir.IntType(32).as_pointer()), align=1)
         return builder.zext(word, ir.IntType(64))
     return types.uint64(array, byte_offset), codegen
@@ -414,7 +435,7 @@ def to_f32(typingctx, a):
 def fmadd(typingctx, a, b, c):
     """a * b + c, fused."""
     def codegen(context, builder, sig, args):
-        return _call(builder, "llvm.fma.v8f32", F32x8.llvm_type(), list(args))
+        return call_intrinsic(builder, "llvm.fma.v8f32", F32x8.llvm_type(), list(args))
     return F32x8(F32x8, F32x8, F32x8), codegen
 
 
@@ -472,7 +493,7 @@ def sums8_f32(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
     """The lane sums of eight vectors as one vector, each added as ``sum_pairs_f32`` adds."""
     def codegen(context, builder, sig, args):
         def hadd(x, y):
-            return _call(builder, "llvm.x86.avx.hadd.ps.256", F32x8.llvm_type(), [x, y])
+            return call_intrinsic(builder, "llvm.x86.avx.hadd.ps.256", F32x8.llvm_type(), [x, y])
         quad_low = hadd(hadd(args[0], args[1]), hadd(args[2], args[3]))
         quad_high = hadd(hadd(args[4], args[5]), hadd(args[6], args[7]))
         return _join_halves(builder, quad_low, quad_high, builder.fadd)
@@ -493,7 +514,7 @@ def _join_halves(builder, quad_low, quad_high, add):
 def hadd_i32(typingctx, a, b):
     """Adjacent lane pairs of a and b, per 128-bit half: (a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, ...)."""
     def codegen(context, builder, sig, args):
-        return _call(builder, "llvm.x86.avx2.phadd.d", I32x8.llvm_type(), list(args))
+        return call_intrinsic(builder, "llvm.x86.avx2.phadd.d", I32x8.llvm_type(), list(args))
     return I32x8(I32x8, I32x8), codegen
 
 
@@ -525,7 +546,7 @@ def max_lane_f32(typingctx, a):
 @intrinsic
 def floor_f32(typingctx, a):
     def codegen(context, builder, sig, args):
-        return _call(builder, "llvm.floor.v8f32", F32x8.llvm_type(), [args[0]])
+        return call_intrinsic(builder, "llvm.floor.v8f32", F32x8.llvm_type(), [args[0]])
     return F32x8(F32x8), codegen
 
 
@@ -543,7 +564,7 @@ def pow2_f32(typingctx, n):
 @intrinsic
 def abs_f32(typingctx, a):
     def codegen(context, builder, sig, args):
-        return _call(builder, "llvm.fabs.v8f32", F32x8.llvm_type(), [args[0]])
+        return call_intrinsic(builder, "llvm.fabs.v8f32", F32x8.llvm_type(), [args[0]])
     return F32x8(F32x8), codegen
 
 
@@ -576,7 +597,7 @@ def keep_lanes_f32(typingctx, a, first, lo, hi, fill):
 def rint_f32(typingctx, a):
     """Each lane rounded to the nearest whole number, halves to even (as np.rint)."""
     def codegen(context, builder, sig, args):
-        return _call(builder, "llvm.rint.v8f32", F32x8.llvm_type(), [args[0]])
+        return call_intrinsic(builder, "llvm.rint.v8f32", F32x8.llvm_type(), [args[0]])
     return F32x8(F32x8), codegen
 
 
