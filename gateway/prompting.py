@@ -15,7 +15,7 @@ from gateway import inkling_blocks
 from shared.chat_template import ChatTemplate
 from shared.errors import ContextOverflowError, InvalidRequestError
 from shared.protocol import ModelCard, Tags
-from shared.tokenizer import Tokenizer
+from shared.tokenizer import Tokenizer, trie_pattern
 
 NO_TEMPLATE = ("this model has no chat template (it is a base model): send plain text to POST /v1/completions, "
                "or start the worker with --chat-template FILE")
@@ -36,6 +36,7 @@ class ModelView:
     @classmethod
     def from_card(cls, card: ModelCard) -> "ModelView":
         tokenizer = Tokenizer.from_spec(card.tokenizer)
+        tokenizer.warm()  # every request encodes: built now, not on the first one
 
         def text(token_id: int | None) -> str:
             return tokenizer.id_to_piece(token_id) if token_id is not None else ""
@@ -219,25 +220,3 @@ def text_length(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return sum(text_length(item) for item in value)
     return 0
-
-
-def trie_pattern(texts: set[str]) -> str:
-    """One regex for a set of literals, nested by shared prefixes (longest match first), so that
-    a scan tests each position against a branch per first character, not against every text:
-    a vocabulary such as Gemma's has thousands of control tokens."""
-    trie: dict = {}
-    for text in texts:
-        node = trie
-        for char in text:
-            node = node.setdefault(char, {})
-        node[""] = {}
-
-    def pattern(node: dict) -> str:
-        branches = [re.escape(char) + pattern(child) for char, child in sorted(node.items()) if char]
-        if "" in node:
-            branches.append("")  # a text ends here; longer ones were tried first
-        if len(branches) == 1:
-            return branches[0]
-        return "(?:" + "|".join(branches) + ")"
-
-    return pattern(trie)

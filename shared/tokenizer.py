@@ -24,11 +24,14 @@ without the model file.
 from __future__ import annotations
 
 import codecs
+import heapq
 import logging
+import re
 import threading
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
@@ -181,6 +184,16 @@ def _optional_id(meta: dict[str, Any], key: str, vocab_size: int) -> int | None:
     return value
 
 
+@dataclass(frozen=True)
+class AddedTexts:
+    """The added tokens an encoder matches before its model: control ones only when
+    ``match_special``, user-defined ones always."""
+
+    special: tuple[str, ...]
+    user_defined: tuple[str, ...]
+    match_special: bool
+
+
 class VocabularyModel:
     """One kind of vocabulary (a ``tokenizer.ggml.model`` value): what it reads beyond the
     tokens, how a token string maps to bytes, and the encoder that splits text into them."""
@@ -207,9 +220,23 @@ class VocabularyModel:
 
     @classmethod
     def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
-        """The encoder over the ordinary tokens; added tokens are registered by the caller.
+        """The encoder over the ordinary tokens; added tokens are registered by ``encode_with``.
         ``space_prefix`` False: a text that continues another (no leading-space rule)."""
         raise NotImplementedError
+
+    @classmethod
+    def encode_with(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool,
+                    added: AddedTexts) -> Callable[[str], list[int]]:
+        """A function from text to ids: ``encoder`` with the added tokens matched first."""
+        return _with_added(cls.encoder(spec, vocab, space_prefix), added)
+
+
+def _with_added(backend: _HFTokenizer, added: AddedTexts) -> Callable[[str], list[int]]:
+    backend.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in added.special])
+    backend.add_tokens([AddedToken(text, special=False, normalized=False) for text in added.user_defined])
+    # When off, tokens added as "special" are not matched; user-defined ones still are.
+    backend.encode_special_tokens = not added.match_special
+    return lambda text: backend.encode(text, add_special_tokens=False).ids
 
 
 class ByteLevelBPE(VocabularyModel):
@@ -234,6 +261,7 @@ class ByteLevelBPE(VocabularyModel):
         if not isinstance(spec.get("merges"), list):
             raise TokenizerError("tokenizer spec lacks merges")
         _check_pre(spec.get("pre"))
+        _check_merges(spec)
 
     @classmethod
     def add_bos_default(cls, spec: dict[str, Any]) -> bool:
@@ -266,6 +294,16 @@ def _stored_merges_bpe(vocab: dict[str, int], lines: list[str], **options: Any) 
         raise TokenizerError(f"the vocabulary's BPE merges are inconsistent: {exc}") from exc
 
 
+def _check_merges(spec: dict[str, Any]) -> None:
+    """Every merge is "left right" with left, right and their union in the vocabulary (what the
+    encoder, built on first use, would refuse later)."""
+    pieces = set(spec["tokens"])
+    for left, right in _merge_pairs(spec["merges"]):
+        if left not in pieces or right not in pieces or left + right not in pieces:
+            raise TokenizerError(f"the vocabulary's BPE merges are inconsistent: {left!r} + {right!r} "
+                                 "names a piece the vocabulary lacks")
+
+
 def _merge_pairs(lines: list[str]) -> list[tuple[str, str]]:
     merges = []
     for line in lines:
@@ -276,6 +314,28 @@ def _merge_pairs(lines: list[str]) -> list[tuple[str, str]]:
             raise TokenizerError(f"malformed BPE merge {line!r}: expected 'left right'")
         merges.append((line[:cut], line[cut + 1:]))
     return merges
+
+
+def trie_pattern(texts: set[str]) -> str:
+    """One regex for a set of literals, nested by shared prefixes (longest match first), so that
+    a scan tests each position against a branch per first character, not against every text:
+    a vocabulary such as Gemma's has thousands of control tokens."""
+    trie: dict = {}
+    for text in texts:
+        node = trie
+        for char in text:
+            node = node.setdefault(char, {})
+        node[""] = {}
+
+    def pattern(node: dict) -> str:
+        branches = [re.escape(char) + pattern(child) for char, child in sorted(node.items()) if char]
+        if "" in node:
+            branches.append("")  # a text ends here; longer ones were tried first
+        if len(branches) == 1:
+            return branches[0]
+        return "(?:" + "|".join(branches) + ")"
+
+    return pattern(trie)
 
 
 def sentencepiece_merges(tokens: list[str], types: bytes | list[int], scores: Any) -> list[tuple[str, str]]:
@@ -332,6 +392,8 @@ class SentencePieceBPE(VocabularyModel):
 
     @classmethod
     def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
+        """The same encoder as a Hugging Face BPE of every split (``sentencepiece_merges``):
+        for parity checks; ``encode_with`` serves without the table of merges."""
         scores = array("f")
         scores.frombytes(spec["scores"])
         merges = sentencepiece_merges(spec["tokens"], spec["token_types"], scores)
@@ -341,6 +403,105 @@ class SentencePieceBPE(VocabularyModel):
             steps.insert(0, normalizers.Prepend(" "))
         backend.normalizer = normalizers.Sequence(steps)
         return backend
+
+    @classmethod
+    def encode_with(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool,
+                    added: AddedTexts) -> Callable[[str], list[int]]:
+        return SentencePieceEncoder(spec, vocab, spec["add_space_prefix"] and space_prefix, added)
+
+
+class SentencePieceEncoder:
+    """SentencePiece's BPE without a table of merges.
+
+    The text is cut at the added tokens (the longest first at each place; control tokens only
+    with ``match_special``), then each piece between them takes its leading space (where the
+    rule says) with spaces spelled ▁, starts as one symbol per character (a character outside
+    the vocabulary as its UTF-8 bytes' ``<0xAB>`` tokens), and merges again and again the
+    adjacent pair whose union is an ordinary piece, best first: the highest score, then the
+    lowest id of the union, then the shorter left part, then the leftmost place. That is the
+    order of a BPE whose merges are every split of every piece ranked so (``encoder``), which a
+    Hugging Face tokenizer holds as a table of half a million merges for Gemma's vocabulary
+    (a hundred megabytes); here a pair's rank is computed from the union's score and id."""
+
+    def __init__(self, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool, added: AddedTexts):
+        self.vocab = vocab
+        self.types = spec["token_types"]
+        self.scores = array("f")
+        self.scores.frombytes(spec["scores"])
+        self.space_prefix = space_prefix
+        self.byte_ids = [vocab.get(f"<0x{b:02X}>") for b in range(256)]
+        texts = set(added.user_defined) | (set(added.special) if added.match_special else set())
+        self.added = re.compile(trie_pattern(texts)) if texts else None
+
+    def __call__(self, text: str) -> list[int]:
+        if self.added is None:
+            return self._piece(text)
+        ids: list[int] = []
+        at = 0
+        for match in self.added.finditer(text):
+            ids += self._piece(text[at:match.start()])
+            ids.append(self.vocab[match.group()])
+            at = match.end()
+        return ids + self._piece(text[at:])
+
+    def _mergeable(self, union: str) -> int | None:
+        index = self.vocab.get(union)
+        return index if index is not None and self.types[index] == TOKEN_NORMAL else None
+
+    def _piece(self, text: str) -> list[int]:
+        if not text:
+            return []
+        if self.space_prefix:
+            text = " " + text
+        text = text.replace(" ", "\u2581")
+        vocab, types, scores = self.vocab, self.types, self.scores
+        pieces: list[str] = []  # each symbol's text ("" for a byte, which never merges)
+        ids: list[int] = []
+        for char in text:
+            index = vocab.get(char)
+            if index is not None:
+                pieces.append(char)
+                ids.append(index)
+                continue
+            fallback = [self.byte_ids[b] for b in char.encode("utf-8")]
+            if all(i is not None for i in fallback):
+                pieces += [""] * len(fallback)
+                ids += fallback
+        n = len(ids)
+        after = list(range(1, n + 1))
+        before = list(range(-1, n - 1))
+        queue: list[tuple[float, int, int, int]] = []
+
+        def offer(left: int) -> None:
+            right = after[left]
+            if right >= n or not pieces[left] or not pieces[right] or types[ids[left]] != TOKEN_NORMAL \
+                    or types[ids[right]] != TOKEN_NORMAL:
+                return
+            union = self._mergeable(pieces[left] + pieces[right])
+            if union is not None:
+                heapq.heappush(queue, (-scores[union], union, len(pieces[left]), left))
+
+        for left in range(n - 1):
+            offer(left)
+        while queue:
+            _, union, _, left = heapq.heappop(queue)
+            right = after[left]
+            # an entry whose place has changed since is passed over, unless the pair there now
+            # makes the same union
+            if not pieces[left] or right >= n or not pieces[right] \
+                    or self._mergeable(pieces[left] + pieces[right]) != union:
+                continue
+            pieces[left] += pieces[right]
+            ids[left] = union
+            pieces[right] = ""
+            ids[right] = -1
+            after[left] = after[right]
+            if after[left] < n:
+                before[after[left]] = left
+            if before[left] >= 0:
+                offer(before[left])
+            offer(left)
+        return [i for i in ids if i >= 0]
 
 
 class Gemma4BPE(SentencePieceBPE):
@@ -362,6 +523,12 @@ class Gemma4BPE(SentencePieceBPE):
     def check(cls, spec: dict[str, Any]) -> None:
         if not isinstance(spec.get("merges"), list):
             raise TokenizerError("tokenizer spec lacks merges")
+        _check_merges(spec)
+
+    @classmethod
+    def encode_with(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool,
+                    added: AddedTexts) -> Callable[[str], list[int]]:
+        return _with_added(cls.encoder(spec, vocab, space_prefix), added)  # the file's own merges
 
     @classmethod
     def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
@@ -390,11 +557,12 @@ class Tokenizer:
         self._add_bos: bool = bool(spec["add_bos"])
         self._add_eos: bool = bool(spec["add_eos"])
 
-        self._piece_to_id = {piece: index for index, piece in enumerate(self._tokens)}
+        # the few texts looked up here, in one pass over the vocabulary
+        found = {piece: index for index, piece in enumerate(self._tokens) if piece in END_OF_TURN_TEXTS}
         types = bytearray(self._types)
         stop_ids = {i for i in (self._eos_id, spec.get("eot_id"), spec.get("eom_id")) if i is not None}
         for text in END_OF_TURN_TEXTS:
-            index = self._piece_to_id.get(text)
+            index = found.get(text)
             if index is not None:
                 stop_ids.add(index)
                 types[index] = TOKEN_CONTROL
@@ -406,15 +574,21 @@ class Tokenizer:
         self._user_defined_ids = frozenset(
             i for i, t in enumerate(self._effective_types) if t == TOKEN_USER_DEFINED
         )
-        # Added tokens are raw text; everything else is a byte-level string.
-        self._bytes: list[bytes] = [
+        # Added tokens are raw text; everything else is a byte-level string. All of them in one
+        # blob (a bytes object per token would cost five times as much for a large vocabulary).
+        pieces = [
             piece.encode("utf-8") if index in self._special_ids or index in self._user_defined_ids
             else self._model.piece_bytes(piece, self._types[index])
             for index, piece in enumerate(self._tokens)
         ]
-        self._with_special = self._build_backend(match_special=True)
-        # (match_special, space_prefix) -> encoder, the others built on first use
-        self._backends: dict[tuple[bool, bool], _HFTokenizer] = {(True, True): self._with_special}
+        self._blob = b"".join(pieces)
+        self._ends = array("I", accumulate(map(len, pieces)))
+        del pieces
+        # piece -> id and the encoders are built on first use: a process that only decodes (a
+        # worker) never pays for them
+        self._piece_ids: dict[str, int] | None = None
+        # (match_special, space_prefix) -> encoder
+        self._backends: dict[tuple[bool, bool], Callable[[str], list[int]]] = {}
         self._max_token_chars: int | None = None
         self._backends_lock = threading.Lock()
 
@@ -496,20 +670,22 @@ class Tokenizer:
         """Everything needed to rebuild this tokenizer, as msgpack-serialisable plain values."""
         return dict(self._spec)
 
-    def _build_backend(self, match_special: bool, space_prefix: bool = True) -> _HFTokenizer:
-        backend = self._model.encoder(self._spec, self._piece_to_id, space_prefix)
-        backend.add_special_tokens(
-            [AddedToken(self._tokens[i], special=True, normalized=False) for i in sorted(self._special_ids)]
-        )
-        backend.add_tokens(
-            [AddedToken(self._tokens[i], special=False, normalized=False)
-             for i in sorted(self._user_defined_ids)]
-        )
-        # When off, tokens added as "special" are not matched; user-defined ones still are.
-        backend.encode_special_tokens = not match_special
-        return backend
+    @property
+    def _piece_to_id(self) -> dict[str, int]:
+        if self._piece_ids is None:
+            self._piece_ids = {piece: index for index, piece in enumerate(self._tokens)}
+        return self._piece_ids
 
-    def _backend(self, match_special: bool, space_prefix: bool) -> _HFTokenizer:
+    def warm(self) -> None:
+        """Build the encoder now rather than on the first ``encode`` (a gateway, before it serves)."""
+        self._backend(True, True)
+
+    def _build_backend(self, match_special: bool, space_prefix: bool = True) -> Callable[[str], list[int]]:
+        added = AddedTexts(tuple(self._tokens[i] for i in sorted(self._special_ids)),
+                           tuple(self._tokens[i] for i in sorted(self._user_defined_ids)), match_special)
+        return self._model.encode_with(self._spec, self._piece_to_id, space_prefix, added)
+
+    def _backend(self, match_special: bool, space_prefix: bool) -> Callable[[str], list[int]]:
         if not self._spec.get("add_space_prefix"):
             space_prefix = True  # no such rule: one encoder serves both
         key = (match_special, space_prefix)
@@ -530,8 +706,7 @@ class Tokenizer:
         continuation: ``text`` follows other text of the same prompt directly (not a start and
         not a control token), so a SentencePiece vocabulary's leading space is not added.
         """
-        backend = self._backend(parse_special, not continuation)
-        ids = backend.encode(text, add_special_tokens=False).ids if text else []
+        ids = self._backend(parse_special, not continuation)(text) if text else []
         if add_special and self._add_bos:
             ids.insert(0, self._bos_id)
         if add_special and self._add_eos:
@@ -551,7 +726,7 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token stands for (added tokens: their text as UTF-8)."""
-        return self._bytes[token_id]
+        return self._blob[self._ends[token_id - 1] if token_id else 0:self._ends[token_id]]
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text for ``ids``; bytes that are not valid UTF-8 become U+FFFD.
@@ -559,9 +734,8 @@ class Tokenizer:
         skip_special drops control tokens (``<|im_end|>``...) but keeps user-defined ones
         such as ``<think>``, which are part of what the model says.
         """
-        table = self._bytes
-        special = self._special_ids
-        data = b"".join(table[i] for i in ids if not (skip_special and i in special))
+        blob, ends, special = self._blob, self._ends, self._special_ids
+        data = b"".join(blob[ends[i - 1] if i else 0:ends[i]] for i in ids if not (skip_special and i in special))
         return data.decode("utf-8", errors="replace")
 
     def incremental_decoder(self, skip_special: bool = False, keep: frozenset[int] = frozenset()) -> IncrementalDecoder:
@@ -634,8 +808,14 @@ class Tokenizer:
         return self._tokens[token_id]
 
     def piece_to_id(self, piece: str) -> int | None:
-        """The id of a vocabulary string, or None (e.g. ``piece_to_id("<|im_end|>")``)."""
-        return self._piece_to_id.get(piece)
+        """The id of a vocabulary string, or None (e.g. ``piece_to_id("<|im_end|>")``): from the
+        encoder's table where it is built, else by a scan (a worker asks for a few)."""
+        if self._piece_ids is not None:
+            return self._piece_ids.get(piece)
+        try:
+            return self._tokens.index(piece)
+        except ValueError:
+            return None
 
 
 class IncrementalDecoder:

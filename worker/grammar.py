@@ -64,7 +64,8 @@ class GrammarEngine:
         self.executor = llg.LLExecutor()
         # where a grammar that waits for the end of reasoning starts (GENERATE grammar_after_reasoning)
         self.think_close = tokenizer.piece_to_id(reasoning_close) if reasoning_close else None
-        self.pool.submit(self.ll_tokenizer)  # build it now (about half a second), off the IO thread
+        # the llguidance tokenizer (and the encoder it calls) is built with the first grammar: a
+        # worker that never constrains a reply does not hold their copies of the vocabulary
 
     def ll_tokenizer(self) -> llg.LLTokenizer:
         with self._lock:

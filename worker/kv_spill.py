@@ -121,7 +121,10 @@ class KVSpiller:
         keys = self.keys_for(tokens)
         have = self.store.present(keys)
         queued = 0
-        for index in range(have, len(keys)):
+        # chunks whose sliding layers were given back cannot be exported (the store lost them)
+        first = max(have, -(-cache.released // self.chunk_tokens))
+        spilled = len(keys)
+        for index in range(first, len(keys)):
             # a recurrent cache's states at the chunk's end go first: restoring looks for them
             end = (index + 1) * self.chunk_tokens
             if end in cache.snapshots:
@@ -133,6 +136,7 @@ class KVSpiller:
                 if self._pending_bytes + size > self.max_pending_bytes:
                     self.stats.chunks_dropped += len(keys) - index
                     metrics.KV_CHUNKS.labels("dropped").inc(len(keys) - index)
+                    spilled = index
                     break
                 self._pending_bytes += size
                 self._in_flight.add(keys[index])
@@ -141,6 +145,8 @@ class KVSpiller:
             queued += 1
         for end in [at for at in cache.snapshots if at <= have * self.chunk_tokens]:
             del cache.snapshots[end]  # their chunks were in the store already
+        if cache.spilled is not None:
+            cache.spilled = max(cache.spilled, spilled * self.chunk_tokens)
         return queued
 
     def _queue_record(self, key: str, record: StateRecord) -> None:

@@ -138,6 +138,9 @@ class Scheduler:
         self.compiled: deque[tuple[bytes, Stream, Any]] = deque()
         self.wake_io: Callable[[], None] = lambda: None  # set by the server
         self.pool = SlotPool(engine.model, settings.slot_count, settings.ctx)
+        if spiller is not None:  # a slot's sliding layers keep what the kvstore has not taken yet
+            for slot in self.pool.slots:
+                slot.cache.spilled = 0
         self.lock = threading.Lock()
         self.compositions: dict[tuple[str, ...], Cartridge] = {}  # cartridges composed for requests
         self.retrieving: deque[tuple[bytes, Stream]] = deque()  # streams a fleet chooses for

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.prompting import ModelView, trie_pattern
+from gateway.prompting import ModelView
+from shared.tokenizer import trie_pattern
 from shared.protocol import Capabilities, ModelCard, Tags
 
 TEMPLATE = (Path(__file__).resolve().parents[1] / "templates" / "qwen3_hermes.jinja").read_text(encoding="utf-8")

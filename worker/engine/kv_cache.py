@@ -8,6 +8,13 @@ each old layer's pages as soon as that layer is copied, so growing holds the old
 layer of the new, not both blocks. Keys and values are held as IEEE halves (``f16``, the
 default: half the memory, spilled chunks included) or as float32 (``f32``); either way
 attention computes in float32.
+
+Layers that attend over a sliding window never read a key again once it is a window (and a key
+block) behind the last position: as a sequence grows, the pages of those positions are given
+back (``released``), so a long conversation holds its sliding layers' window, not its length.
+The cache can then continue only from prefixes whose windows it still holds: a shorter one is
+started afresh (``truncate``), and those positions are never exported (a kvstore spills them
+before they go: ``spilled``).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from worker.engine import kernels
 from worker.engine.kernels import attention
 
 GROWTH_BLOCK = 256  # tokens added per growth step
+READ_MARGIN = 64  # attention reads whole key blocks of 64 from the one holding a window's first key
+RELEASE_STEP = 256  # positions of sliding layers given back at once
 KV_TYPES = {"f16": np.float16, "f32": np.float32}
 
 
@@ -32,7 +41,7 @@ class KVCache:
 
     def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, max_tokens: int,
                  value_dim: int | None = None, kv_type: str = "f16",
-                 layers: list[tuple[int, int, int]] | None = None):
+                 layers: list[tuple[int, int, int]] | None = None, windows: list[int] | None = None):
         # the compiled attention over a cache is a parallel kernel: numba's pool must be running
         # before one loaded from the disk cache is called (numba issue 8578)
         kernels.start_threads()
@@ -50,6 +59,15 @@ class KVCache:
         self._groups: dict[tuple[int, int, int], list[int]] = {}
         for layer, shape in enumerate(self.geometry):
             self._groups.setdefault(shape, []).append(layer)
+        # each layer's sliding window (0: it reads the whole context)
+        self.windows = list(windows) if windows else [0] * n_layer
+        if len(self.windows) != n_layer:
+            raise ValueError(f"{len(self.windows)} windows given for {n_layer} layers")
+        self.reach = max(self.windows) + READ_MARGIN if any(self.windows) else 0
+        self.released = 0  # sliding layers hold no position below this (their pages given back)
+        # positions below this are in the kvstore (or on their way): only those may be released;
+        # None: no kvstore, nothing to wait for
+        self.spilled: int | None = None
         self.max_tokens = max_tokens
         self.length = 0
         self.tokens: list[int] = []  # the token ids whose keys/values are held
@@ -79,8 +97,9 @@ class KVCache:
             old = self._blocks.get((n_kv, d, dv))
             for index, layer in enumerate(members):
                 if old is not None:  # copy the valid prefix, giving back each old layer once copied
-                    keys[index, :, :self.length] = self.keys[layer][:, :self.length]
-                    values[index, :, :self.length] = self.values[layer][:, :self.length]
+                    held = self.released if self.windows[layer] else 0  # released pages stay unwritten
+                    keys[index, :, held:self.length] = self.keys[layer][:, held:self.length]
+                    values[index, :, held:self.length] = self.values[layer][:, held:self.length]
                     for block in old:
                         release_pages(block, index)
                 keys_of[layer], values_of[layer] = keys[index], values[index]
@@ -121,17 +140,45 @@ class KVCache:
         self.tokens.extend(int(t) for t in token_ids)
         if self.snapshot_every and self.recurrent and self.length % self.snapshot_every == 0:
             self.snapshots[self.length] = self.copy_recurrent()
+        if self.reach:
+            self._release_behind()
+
+    def _release_behind(self) -> None:
+        """Give back the sliding layers' pages of positions no later step reads (a window and a
+        key block behind the end), and not yet spilled ones while a kvstore waits for them."""
+        target = self.length - self.reach
+        if self.spilled is not None:
+            target = min(target, self.spilled)
+        if target - self.released < RELEASE_STEP:
+            return
+        for shape, (keys, values) in self._blocks.items():
+            for index, layer in enumerate(self._groups[shape]):
+                if self.windows[layer]:
+                    release_positions(keys, index, self.released, target)
+                    release_positions(values, index, self.released, target)
+        self.released = target
+
+    def continues_from(self, length: int) -> bool:
+        """Whether a sequence can go on from its first ``length`` positions here: every sliding
+        layer still holds the window before them (always, until positions are released)."""
+        return length >= self.length or self.released == 0 or length >= self.released + self.reach
 
     def copy_recurrent(self) -> dict[int, list[np.ndarray]]:
         return {layer: [state.copy() for state in states] for layer, states in self.recurrent.items()}
 
     def truncate(self, length: int) -> None:
-        """Forget everything after the first ``length`` tokens (they stay valid)."""
+        """Forget everything after the first ``length`` tokens (they stay valid). Where the
+        cache cannot continue from there (recurrent states, released windows), it keeps nothing."""
         if not self.rewindable and length < self.length:
             length = 0  # the states hold every token read: nothing shorter can be kept
+        if not self.continues_from(length):
+            length = 0
         if length == 0:
             self.recurrent.clear()
+            self.released = 0  # the positions will be written again
         self.length = min(self.length, length)
+        if self.spilled is not None:
+            self.spilled = min(self.spilled, self.length)
         for held in [at for at in self.snapshots if at > self.length]:
             del self.snapshots[held]
         del self.tokens[self.length:]
@@ -148,7 +195,8 @@ class KVCache:
         held = np.asarray(self.tokens[:limit])
         wanted = np.asarray(token_ids[:limit])
         mismatch = np.nonzero(held != wanted)[0]
-        return int(mismatch[0]) if mismatch.size else limit
+        shared = int(mismatch[0]) if mismatch.size else limit
+        return shared if self.continues_from(shared) else 0
 
     def chunk_shapes(self, count: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The shapes ``export`` gives ``count`` positions: [L, K, n, d] and [L, K, n, dv] when
@@ -165,6 +213,8 @@ class KVCache:
         end = start + count
         if end > self.length:
             raise ValueError(f"positions up to {end} asked for, {self.length} held")
+        if start < self.released:
+            raise ValueError(f"positions from {start} asked for; the sliding layers hold them from {self.released}")
         if self.uniform:
             return (np.stack([k[:, start:end] for k in self.keys]),
                     np.stack([v[:, start:end] for v in self.values]))
@@ -196,8 +246,14 @@ class KVCache:
         cache that is not rewindable)."""
         if not other.rewindable and count != other.length:
             raise ValueError("a cache with recurrent state is copied whole or not at all")
-        keys, values = other.export(0, count)
+        held = other.released
+        other.released = 0  # a fork copies what it can: positions the other gave back come as zeros
+        try:
+            keys, values = other.export(0, count)
+        finally:
+            other.released = held
         self.restore(0, keys, values, other.tokens[:count])
+        self.released, self.spilled = held, other.spilled  # and it must not spill them either
         self.recurrent = other.copy_recurrent()
 
     @property
@@ -223,14 +279,36 @@ def mapped_block(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
 
 
-def release_pages(block: np.ndarray, index: int) -> None:
-    """Give back the whole pages of ``block[index]`` (a ``mapped_block``): they read as zeros
-    afterwards. Where the platform cannot, nothing happens."""
+def release_positions(block: np.ndarray, index: int, start: int, end: int) -> None:
+    """Give back the whole pages of positions [start, end) of layer ``index`` of a block
+    [layers, K, capacity, d], head by head."""
+    region = _mapping_of(block)
+    if region is None:
+        return
+    _, heads, capacity, width = block.shape
+    row = width * block.itemsize
+    for head in range(heads):
+        base = ((index * heads + head) * capacity) * row
+        first = -(-(base + start * row) // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = (base + end * row) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            region.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def _mapping_of(block: np.ndarray) -> mmap.mmap | None:
+    """The anonymous mapping under a ``mapped_block`` (None where the platform cannot advise)."""
     region = block
     while isinstance(region, np.ndarray):
         region = region.base
     region = region.obj if isinstance(region, memoryview) else region
-    if not isinstance(region, mmap.mmap) or not hasattr(region, "madvise"):
+    return region if isinstance(region, mmap.mmap) and hasattr(region, "madvise") else None
+
+
+def release_pages(block: np.ndarray, index: int) -> None:
+    """Give back the whole pages of ``block[index]`` (a ``mapped_block``): they read as zeros
+    afterwards. Where the platform cannot, nothing happens."""
+    region = _mapping_of(block)
+    if region is None:
         return
     size = block[index].nbytes
     start = -(-index * size // mmap.PAGESIZE) * mmap.PAGESIZE

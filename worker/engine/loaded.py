@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shared.tokenizer import Tokenizer
+from worker.engine import kernels
 from worker.engine.archs import load_model
 from worker.engine.checkpoint import NanochatCheckpoint
 from worker.engine.gguf_file import GGUFFile
@@ -80,6 +81,7 @@ class Engine:
         thread.join()
         if failure:
             raise failure[0]
+        kernels.page_out_compiler()
 
     def prefill(self, cache: KVCache, tokens: list[int], chunk: int = DEFAULT_PREFILL_CHUNK) -> np.ndarray:
         """Feed tokens in chunks (bounded memory for attention scores); logits of the last one."""

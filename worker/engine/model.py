@@ -491,10 +491,16 @@ class DecoderModel:
         """A cache for every layer that keeps KV of its own, each in its layer's shape."""
         hp = self.hp
         if not hp.layers:
-            return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, max_tokens, hp.value_dim, self.kv_type)
-        own = [shape for shape in hp.layers if shape.kv_from is None and not shape.recurrent]
+            return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, max_tokens, hp.value_dim, self.kv_type,
+                           windows=[self.attention_options[i].window for i in range(hp.n_layer)])
+        own = [i for i, shape in enumerate(hp.layers) if shape.kv_from is None and not shape.recurrent]
+        # a layer's KV is read over the widest window of the layers reading it (0: whole context)
+        readers = {i: [j for j, shape in enumerate(hp.layers) if j == i or shape.kv_from == i] for i in own}
+        windows = [0 if any(self.attention_options[j].window == 0 for j in readers[i])
+                   else max(self.attention_options[j].window for j in readers[i]) for i in own]
         cache = KVCache(len(own), hp.n_head_kv, hp.head_dim, max_tokens, hp.value_dim, self.kv_type,
-                        layers=[(shape.n_head_kv, shape.head_dim, shape.head_dim) for shape in own])
+                        layers=[(hp.layers[i].n_head_kv, hp.layers[i].head_dim, hp.layers[i].head_dim) for i in own],
+                        windows=windows)
         # a recurrent layer's state exists only at the end of what it read: the cache cannot be
         # cut back to a shorter prefix
         cache.rewindable = not any(shape.recurrent for shape in hp.layers)
