@@ -178,6 +178,13 @@ class Stack:
                 continue
             if entry["event"] == "loading" and self.bar is not None and first:
                 self.bar.update(int(entry["done"]), int(entry["total"]))
+            elif entry["event"] == "compiling" and first:
+                if self.bar is not None:
+                    self.bar.update(1, 1)
+                    self.bar.finish()
+                    self.bar = None
+                print(f"lmserve serve: compiling kernels for this CPU, once: {entry.get('what', '')}",
+                      file=sys.stderr, flush=True)
             elif entry["event"] == "ready":
                 self.loaded += 1
                 self.model_id = str(entry.get("model", ""))

@@ -35,6 +35,10 @@ class StatusWriter:
     def loading(self, done: int, total: int) -> None:
         self._send({"event": "loading", "done": done, "total": total})
 
+    def compiling(self, what: str) -> None:
+        """A first start on this CPU compiles kernels (``what``: for a person) before serving."""
+        self._send({"event": "compiling", "what": what})
+
     def ready(self, model: str, endpoint: str) -> None:
         self._send({"event": "ready", "model": model, "endpoint": endpoint})
 

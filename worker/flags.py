@@ -49,8 +49,8 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
                         "that has none, whose chat requests are otherwise refused)")
     p.add_argument("--ctx", type=int, default=0,
                    help="per-request context budget in tokens, prompt and completion together "
-                        "(0: the model's trained context, reduced if --kv-slots full caches would "
-                        "not fit in half of the memory available)")
+                        "(0: the model's trained context, reduced if --kv-slots full caches (at least "
+                        "4) would not fit in half of the memory available)")
     p.add_argument("--threads", type=int, default=0,
                    help="threads of the compute kernels (0: every core this process may use)")
     p.add_argument("--kv-type", choices=("f16", "f32"), default="f16",
@@ -83,8 +83,9 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue", type=int, default=16, help="max queued requests before 429")
     p.add_argument("--batch", type=int, default=1,
                    help="lockstep-decode up to N requests together (raises --kv-slots to N)")
-    p.add_argument("--kv-slots", type=int, default=1,
-                   help="resident KV-reuse slots; each can hold a full --ctx cache")
+    p.add_argument("--kv-slots", type=int, default=0,
+                   help="resident KV-reuse slots, each able to hold a full --ctx cache (0: as many as "
+                        "half of the memory available holds, from 4 to 16; a slot costs only what it holds)")
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="prompt tokens computed per step while other streams decode")
     p.add_argument("--heartbeat-timeout", type=float, default=6.0,
@@ -102,7 +103,7 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
 
 def check_worker_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("ctx", "queue", "batch", "kv_slots", "prefill_chunk", "kv_disk_slots", "kv_chunk", "threads"):
-        if getattr(args, name) < (0 if name in ("queue", "ctx", "threads") else 1):
+        if getattr(args, name) < (0 if name in ("queue", "ctx", "threads", "kv_slots") else 1):
             p.error(f"--{name.replace('_', '-')} must be positive")
     if 0 < args.ctx < 16:
         p.error("--ctx must be at least 16 tokens")

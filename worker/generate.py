@@ -14,6 +14,7 @@ from shared.command_line import EnvParser, new_parser
 from shared.protocol import Finished, FinishReason, Generate, Message, Rejected, Tokens
 from shared.sampling_params import SamplingParams
 from worker.engine import Engine
+from worker.engine.compile_ahead import describe
 from worker.flags import add_model_flags
 from worker.scheduler import Scheduler, SchedulerSettings
 
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from shared.default_model import resolve_model
     engine = Engine.load(resolve_model(args.model))
+    # every kernel compiled (a first start on this CPU) or read from the cache before the
+    # clock starts: the speeds below are the engine's, not the compiler's
+    engine.warm_up(on_compile=lambda jobs: print(f"lmserve generate: compiling kernels for this CPU, once: "
+                                                 f"{describe(jobs)}", file=sys.stderr, flush=True))
     tokenizer = engine.tokenizer
     template = chat_template_from_metadata(engine.metadata)
     if args.raw or template is None:

@@ -19,6 +19,7 @@ from worker import metrics
 from worker.cartridge import Cartridge
 from worker.fleet import Fleet, Retrieval
 from worker.engine import Engine, kernels
+from worker.engine.compile_ahead import describe
 from worker.flags import build_parser, check_worker_flags, metrics_host, model_argument
 from worker.kv_spill import KVSpiller
 from worker.scheduler import SchedulerSettings, resident_slot_count
@@ -26,6 +27,7 @@ from worker.scripted import ScriptedReplies
 from worker.server import WorkerServer, WorkerSettings
 
 KV_MEMORY_SHARE = 0.5  # of the memory available at start, for --kv-slots full caches
+AUTO_SLOTS = (4, 16)  # the fewest and most resident caches --kv-slots 0 chooses
 
 
 def available_memory() -> int:
@@ -44,15 +46,35 @@ def context_budget(engine: Engine, kv_slots: int, memory: int, log: logging.Logg
     """The model's trained context, or less if kv_slots caches of it would not fit the memory
     share (caches grow as they fill, so this bounds the worst case, not the start)."""
     trained = engine.model.hp.context_length
-    per_token = engine.new_cache(1).bytes_per_token * kv_slots
-    fits = int(memory * KV_MEMORY_SHARE) // per_token
-    if fits >= trained:
+    cache = engine.new_cache(1)
+    if kv_slots * cache.full_bytes(trained) <= memory * KV_MEMORY_SHARE:
         return trained
-    ctx = max(16, fits)
+    low, high = 16, trained  # the longest context whose caches fit
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if kv_slots * cache.full_bytes(middle) <= memory * KV_MEMORY_SHARE \
+            else (low, middle - 1)
     log.warning("--ctx %d instead of the trained %d: %d KV slots of %d tokens (%.0f MiB each) fit in "
-                "half of the %.0f MiB available", ctx, trained, kv_slots, ctx,
-                ctx * per_token / kv_slots / 2**20, memory / 2**20)
-    return ctx
+                "half of the %.0f MiB available", low, trained, kv_slots, low,
+                cache.full_bytes(low) / 2**20, memory / 2**20)
+    return low
+
+
+def slots_and_context(engine: Engine, kv_slots: int, batch: int, ctx: int, memory: int,
+                      log: logging.Logger) -> tuple[int, int]:
+    """--kv-slots and --ctx as asked, or (``kv_slots`` 0) as many slots as the memory share holds
+    full caches of the context, from AUTO_SLOTS[0] (or --batch) to AUTO_SLOTS[1]: a slot costs
+    only what it holds, and each one keeps a conversation's KV resident for its next turn."""
+    if kv_slots:
+        slots = resident_slot_count(kv_slots, batch)
+        return slots, ctx or context_budget(engine, slots, memory, log)
+    fewest, most = max(AUTO_SLOTS[0], batch), max(AUTO_SLOTS[1], batch)
+    ctx = ctx or context_budget(engine, fewest, memory, log)
+    full = engine.new_cache(1).full_bytes(ctx)
+    slots = max(fewest, min(most, int(memory * KV_MEMORY_SHARE // max(full, 1))))
+    log.info("--kv-slots %d: resident caches of up to %d tokens (%.0f MiB each when full) for that many "
+             "conversations, sized from half of the %.0f MiB available", slots, ctx, full / 2**20, memory / 2**20)
+    return slots, ctx
 
 
 def _cartridge(path: str, engine, ctx: int) -> Cartridge:
@@ -112,7 +134,14 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("%s (%s) has no compiled kernel here: held as float32", name, qtype)
         log.info("running each kernel once before serving")
         started = time.perf_counter()
-        engine.warm_up()
+
+        def compiling(jobs: list[str]) -> None:
+            what = describe(jobs)
+            log.info("compiling kernels for this CPU, once: %s", what)
+            if status is not None:
+                status.compiling(what)
+
+        engine.warm_up(on_compile=compiling)
         log.info("kernels ready in %.1f s (a first start on this CPU compiles them; later starts read "
                  "numba's disk cache)", time.perf_counter() - started)
         scripted = ScriptedReplies.load(args.scripted_replies, engine.tokenizer) \
@@ -122,8 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.scripted_replies)
         if args.metrics_port:
             metrics.serve(args.metrics_port, metrics_host(args.worker))
-        kv_slots = resident_slot_count(args.kv_slots, args.batch)
-        ctx = args.ctx or context_budget(engine, kv_slots, available_memory(), log)
+        kv_slots, ctx = slots_and_context(engine, args.kv_slots, args.batch, args.ctx, available_memory(), log)
         cartridge = _cartridge(args.cartridge, engine, ctx) if args.cartridge else None
         if cartridge is not None:
             log.info("cartridge %s: %d positions before every conversation", cartridge.name, cartridge.tokens)

@@ -3,6 +3,7 @@ to the nearest half, and an engine's fingerprint (the key of spilled KV) tells t
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -142,3 +143,71 @@ def test_layers_of_their_own_shapes_grow_export_and_restore(kv_type):
         np.testing.assert_array_equal(other.values[layer][:, :150], cache.values[layer][:, :150])
     with pytest.raises(ValueError):
         other.restore(150, keys[:-1], values, list(range(150, 200)))
+
+
+# --- sliding layers give back what they will not read again ---------------------------------
+
+@pytest.fixture(scope="module")
+def sliding_model(tmp_path_factory):
+    from tiny_models import write_tiny_gguf
+
+    from worker.engine.archs import load_model
+    from worker.engine.gguf_file import GGUFFile
+
+    path = tmp_path_factory.mktemp("sliding") / "gemma3.gguf"
+    write_tiny_gguf(path, "gemma3")  # five layers sliding over 4 positions, then a global one
+    return load_model(GGUFFile(path))
+
+
+def _windowless(model, capacity: int) -> KVCache:
+    hp = model.hp
+    return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, capacity, hp.value_dim, model.kv_type)
+
+
+def test_sliding_layers_give_back_old_positions_and_read_the_same(sliding_model):
+    from worker.engine.kv_cache import READ_MARGIN, RELEASE_STEP
+
+    model = sliding_model
+    tokens = list(np.random.default_rng(1).integers(3, 200, 700))
+    cache, reference = model.new_cache(800), _windowless(model, 800)
+    assert cache.windows == [4, 4, 4, 4, 4, 0] and reference.windows == [0] * 6
+    for start in range(0, 700, 100):  # prefill in chunks, then decode: the same bits either way
+        got = model.forward([(cache, tokens[start:start + 100])])[0]
+        np.testing.assert_array_equal(got, model.forward([(reference, tokens[start:start + 100])])[0])
+    for token in (5, 6, 7):
+        np.testing.assert_array_equal(model.forward([(cache, [token])])[0], model.forward([(reference, [token])])[0])
+    assert cache.released >= 703 - 4 - READ_MARGIN - RELEASE_STEP and cache.released > 0
+    # the pages went back (whole pages: a page's worth of positions may stay): they read as
+    # zeros in the sliding layers, and the global layer keeps them
+    gone = cache.released - mmap.PAGESIZE // (model.hp.head_dim * cache.dtype.itemsize)
+    assert gone > 0 and not cache.keys[0][:, :gone].any() and not cache.values[4][:, :gone].any()
+    assert cache.keys[5][:, :cache.released].all(axis=-1).any()
+    # what it holds at most: the window (and the steps before it goes) of every sliding layer
+    per_layer = reference.full_bytes(1) // 6
+    assert cache.full_bytes(703) == per_layer * (5 * (4 + READ_MARGIN + RELEASE_STEP) + 703)
+    assert reference.full_bytes(703) == per_layer * 6 * 703
+
+
+def test_a_cache_continues_only_where_it_holds_the_windows(sliding_model):
+    model = sliding_model
+    tokens = list(np.random.default_rng(2).integers(3, 200, 600))
+    cache = model.new_cache(700)
+    model.forward([(cache, tokens)])
+    floor = cache.released + cache.reach
+    assert cache.common_prefix(tokens) == 600 and cache.continues_from(floor)
+    assert cache.common_prefix(tokens[:floor - 1] + [1]) == 0  # its windows are gone: start afresh
+    with pytest.raises(ValueError, match="sliding layers hold them from"):
+        cache.export(0, 64)
+    cache.truncate(floor - 1)
+    assert cache.length == 0 and cache.released == 0
+
+
+def test_positions_wait_for_the_kvstore_before_they_go(sliding_model):
+    model = sliding_model
+    cache = model.new_cache(700)
+    cache.spilled = 0  # a kvstore takes chunks as they fill: nothing goes before it has them
+    model.forward([(cache, list(range(3, 603)))])
+    assert cache.released == 0
+    cache.spilled = 512
+    model.forward([(cache, [7])])
+    assert cache.released == 512

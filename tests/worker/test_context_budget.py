@@ -30,3 +30,21 @@ def test_a_smaller_context_and_a_log_line_when_it_does_not(engine, caplog):
         ctx = context_budget(engine, 2, memory, logging.getLogger("t"))
     assert ctx == 3000
     assert "--ctx 3000 instead of the trained 8192" in caplog.text
+
+
+def test_kv_slots_by_default_are_what_the_memory_share_holds(engine, caplog):
+    from worker.main import AUTO_SLOTS, slots_and_context
+
+    full = engine.new_cache(1).full_bytes(2048)
+    log = logging.getLogger("t")
+    with caplog.at_level(logging.INFO):
+        slots, ctx = slots_and_context(engine, 0, 1, 2048, int(10 * full / KV_MEMORY_SHARE), log)
+    assert (slots, ctx) == (10, 2048)
+    assert "--kv-slots 10: resident caches of up to 2048 tokens" in caplog.text
+    # never fewer than four (nor than --batch), never more than sixteen
+    assert slots_and_context(engine, 0, 1, 2048, int(2 * full / KV_MEMORY_SHARE), log)[0] == AUTO_SLOTS[0] == 4
+    assert slots_and_context(engine, 0, 6, 2048, int(2 * full / KV_MEMORY_SHARE), log)[0] == 6
+    assert slots_and_context(engine, 0, 1, 2048, int(100 * full / KV_MEMORY_SHARE), log)[0] == AUTO_SLOTS[1] == 16
+    # asked for: as asked (raised to --batch)
+    assert slots_and_context(engine, 1, 1, 2048, 1 << 40, log) == (1, 2048)
+    assert slots_and_context(engine, 1, 3, 2048, 1 << 40, log) == (3, 2048)

@@ -225,6 +225,10 @@ class NanochatCheckpoint:
     def tensor_names(self) -> list[str]:
         return list(self.names)
 
+    def matrix_types(self) -> set:
+        """Block types repacked in panels: none (a checkpoint's weights are floats)."""
+        return set()
+
     def has_tensor(self, name: str) -> bool:
         return name in self.names
 

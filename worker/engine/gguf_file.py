@@ -288,6 +288,18 @@ class GGUFFile:
         rows = raw.reshape(*info.shape[:-1], row_bytes(qtype, info.shape[-1]))
         return QuantizedWeight(qtype, info.shape, rows)
 
+    def matrix_types(self) -> set:
+        """The block types of the 2-D tensors a model repacks in panels (``panels.packable``):
+        what the GEMM kernels will be asked for."""
+        from worker.engine import panels
+
+        types = set()
+        for info in self._tensors.values():
+            qtype = q2_0.Layout.of(info.q2_0_block) if info.type_id == q2_0.TYPE_ID else _known_type(info.type_id)
+            if qtype is not None and panels.packable(qtype, info.shape):
+                types.add(qtype)
+        return types
+
     def release(self, name: str) -> None:
         """Let go of the pages of a tensor that was copied (repacked): they leave this process's
         resident memory (the whole pages inside its bytes; the system may keep them cached)."""

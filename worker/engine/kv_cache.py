@@ -153,9 +153,9 @@ class KVCache:
             return
         for shape, (keys, values) in self._blocks.items():
             for index, layer in enumerate(self._groups[shape]):
-                if self.windows[layer]:
-                    release_positions(keys, index, self.released, target)
-                    release_positions(values, index, self.released, target)
+                if self.windows[layer]:  # from 0: pages a step's edges left are whole now
+                    release_positions(keys, index, 0, target)
+                    release_positions(values, index, 0, target)
         self.released = target
 
     def continues_from(self, length: int) -> bool:
@@ -256,6 +256,15 @@ class KVCache:
         self.released, self.spilled = held, other.spilled  # and it must not spill them either
         self.recurrent = other.copy_recurrent()
 
+    def full_bytes(self, n_tokens: int) -> int:
+        """What the cache holds at ``n_tokens`` positions: its sliding layers only a window of
+        them (and the steps before they are given back)."""
+        held = 0
+        for (n_kv, d, dv), window in zip(self.geometry, self.windows):
+            positions = min(n_tokens, window + READ_MARGIN + RELEASE_STEP) if window else n_tokens
+            held += n_kv * (d + dv) * positions
+        return held * self.dtype.itemsize
+
     @property
     def bytes_per_token(self) -> int:
         return sum(k * (d + dv) for k, d, dv in self.geometry) * self.dtype.itemsize
@@ -276,7 +285,11 @@ def mapped_block(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if nbytes == 0:
         return np.empty(shape, dtype=dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
+    # private: pages given back (release_pages) are freed and read as zeros again; a shared
+    # anonymous mapping would keep them in the system's shared memory
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    region = mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)
+    return np.frombuffer(region, dtype=dtype).reshape(shape)
 
 
 def release_positions(block: np.ndarray, index: int, start: int, end: int) -> None:

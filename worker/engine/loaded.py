@@ -18,6 +18,7 @@ from shared.tokenizer import Tokenizer
 from worker.engine import kernels
 from worker.engine.archs import load_model
 from worker.engine.checkpoint import NanochatCheckpoint
+from worker.engine.compile_ahead import CompileAhead
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kv_cache import KVCache
 from worker.engine.model import DecoderModel
@@ -32,6 +33,7 @@ class Engine:
     model_id: str
     fingerprint: str  # identifies weights + KV geometry: cached KV is only valid for the same
     metadata: dict = field(repr=False, default_factory=dict)
+    compiling: CompileAhead | None = field(repr=False, default=None)  # helpers of a first start
 
     @classmethod
     def load(cls, path: str | os.PathLike, on_progress: Callable[[int, int], None] | None = None,
@@ -41,11 +43,15 @@ class Engine:
         cache's storage, ``f16`` or ``f32``."""
         # a directory is a nanochat checkpoint; anything else a GGUF file
         gguf = NanochatCheckpoint(path, on_progress) if os.path.isdir(path) else GGUFFile(path, on_progress)
+        # the kernels a first start on this CPU lacks compile in other processes while it loads
+        ahead = CompileAhead.start(gguf.matrix_types(), kv_type) if kernels.available() and not exact else None
         model = load_model(gguf, exact, kv_type)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         base = os.path.basename(os.path.normpath(gguf.path))
         name = base if os.path.isdir(gguf.path) else os.path.splitext(base)[0]
-        return cls(model, tokenizer, name, _fingerprint(gguf, model), gguf.metadata)
+        engine = cls(model, tokenizer, name, _fingerprint(gguf, model), gguf.metadata)
+        engine.compiling = ahead
+        return engine
 
     @property
     def architecture(self) -> str:
@@ -54,17 +60,24 @@ class Engine:
     def new_cache(self, max_tokens: int) -> KVCache:
         return self.model.new_cache(max_tokens)
 
-    def warm_up(self) -> None:
+    def warm_up(self, on_compile: Callable[[list[str]], None] | None = None) -> None:
         """Run each path of a forward pass once on scratch caches: a chunk of one sequence, a
         batch of two, one token alone. numba compiles a kernel on its first call (on a first
         start on a CPU that takes a minute or more; later starts load it from the disk cache),
-        so without this the first requests would wait for it, holding the engine.
+        so without this the first requests would wait for it, holding the engine. On a first
+        start the leaf kernels compile in other processes meanwhile (``compile_ahead``): this
+        waits for them first (``on_compile`` hears what they compile).
 
         The passes run on a thread of their own that ends with them. OpenMP (numba's threading
         layer) keeps a team of threads for each thread that ran a parallel kernel; a team left
         on the caller would count against the cores while another thread (the worker's engine
         thread) runs the kernels, and libgomp then puts idle threads to sleep between parallel
         regions instead of spinning: a served decode step took three times as long."""
+        if self.compiling is not None and self.compiling.jobs:
+            if on_compile is not None:
+                on_compile(self.compiling.jobs)
+            self.compiling.wait()
+        self.compiling = None
         failure: list[BaseException] = []
 
         def run() -> None:

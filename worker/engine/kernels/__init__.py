@@ -46,15 +46,30 @@ _use_cache_of_these_sources()
 
 
 @functools.cache
+def target_features() -> dict[str, bool]:
+    """The CPU features the kernels compile for: the host's, or those numba is told to target
+    (``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``, e.g. an AVX2-only CPU on an AVX-512 one), so
+    that every choice made by feature (vector width, VNNI) follows the code numba generates."""
+    import numba
+    from llvmlite import binding
+
+    if numba.config.CPU_FEATURES:
+        return {name[1:]: name[0] == "+" for name in numba.config.CPU_FEATURES.split(",") if name[:1] in "+-"}
+    return dict(binding.get_host_cpu_features())
+
+
+def target_has(*names: str) -> bool:
+    features = target_features()
+    return all(features.get(name, False) for name in names)
+
+
+@functools.cache
 def available() -> bool:
     import platform
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    from llvmlite import binding
-
-    features = binding.get_host_cpu_features()
-    return all(features.get(name, False) for name in REQUIRED_FEATURES)
+    return target_has(*REQUIRED_FEATURES)
 
 
 def start_threads() -> None:

@@ -22,6 +22,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
+from worker.engine.kernels import target_has
+
 
 class Vector(types.Type):
     """A vector of ``lanes`` elements of ``element`` (an LLVM type name); 256 bits here, wider in
@@ -248,14 +250,7 @@ def load_bf16x8(typingctx, array, byte_offset):
 
 # --- integer products -------------------------------------------------------------------------
 
-def host_has(*names: str) -> bool:
-    from llvmlite import binding
-
-    features = binding.get_host_cpu_features()
-    return all(features.get(name, False) for name in names)
-
-
-HAS_VNNI = host_has("avx512vnni", "avx512vl") or host_has("avxvnni")
+HAS_VNNI = target_has("avx512vnni", "avx512vl") or target_has("avxvnni")
 
 
 @intrinsic

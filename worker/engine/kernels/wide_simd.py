@@ -32,15 +32,16 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from worker.engine.kernels.simd import F32x8, Vector, address_of, call_intrinsic, host_has
+from worker.engine.kernels import target_has
+from worker.engine.kernels.simd import F32x8, Vector, address_of, call_intrinsic
 
-WIDTH = 16 if host_has("avx512f", "avx512bw") else 8
+WIDTH = 16 if target_has("avx512f", "avx512bw") else 8
 PANEL = WIDTH  # outputs in a panel of the GEMM
 LANES = 4 * PANEL
 if PANEL == 16:
-    HAS_VNNI = host_has("avx512vnni")
+    HAS_VNNI = target_has("avx512vnni")
 else:
-    HAS_VNNI = host_has("avx512vnni", "avx512vl") or host_has("avxvnni")
+    HAS_VNNI = target_has("avx512vnni", "avx512vl") or target_has("avxvnni")
 SIGNED_OFFSET = 128 if HAS_VNNI else 0  # what prepare_signed adds to each weight
 
 Bytes = Vector("i8", LANES)
