@@ -228,10 +228,11 @@ class VocabularyModel:
     def encode_with(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool,
                     added: AddedTexts) -> Callable[[str], list[int]]:
         """A function from text to ids: ``encoder`` with the added tokens matched first."""
-        return _with_added(cls.encoder(spec, vocab, space_prefix), added)
+        return with_added(cls.encoder(spec, vocab, space_prefix), added)
 
 
-def _with_added(backend: _HFTokenizer, added: AddedTexts) -> Callable[[str], list[int]]:
+def with_added(backend: _HFTokenizer, added: AddedTexts) -> Callable[[str], list[int]]:
+    """A Hugging Face encoder with the added tokens registered, as a function from text to ids."""
     backend.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in added.special])
     backend.add_tokens([AddedToken(text, special=False, normalized=False) for text in added.user_defined])
     # When off, tokens added as "special" are not matched; user-defined ones still are.
@@ -528,7 +529,7 @@ class Gemma4BPE(SentencePieceBPE):
     @classmethod
     def encode_with(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool,
                     added: AddedTexts) -> Callable[[str], list[int]]:
-        return _with_added(cls.encoder(spec, vocab, space_prefix), added)  # the file's own merges
+        return with_added(cls.encoder(spec, vocab, space_prefix), added)  # the file's own merges
 
     @classmethod
     def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:

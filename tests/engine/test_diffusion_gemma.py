@@ -263,3 +263,20 @@ def test_what_a_diffusion_model_cannot_do_is_refused_plainly(engine, options, na
     _scheduler(engine, outbox).submit(b"gw", Generate("x", PROMPT, SamplingParams(), 8, **options))
     rejected = next(m for m in outbox if isinstance(m, Rejected))
     assert rejected.status == 400 and named in rejected.message and "text diffusion" in rejected.message
+
+
+def test_batched_blocks_stay_alone_whatever_blas_kernels_the_cpu_gets(tmp_path):
+    """OpenBLAS picks its kernels by CPU, and some (its Haswell and Zen ones, which a Zen 5 gets)
+    sum a row differently by how many rows come with it: a router product through numpy then
+    moved a batched stream off its lone tokens. Every product of a pass is compiled here; the
+    batching tests run again under those kernels."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OPENBLAS_CORETYPE": "Haswell"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "writing_fails or several_canvases or second_turn"],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(__file__))
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "3 passed" in run.stdout

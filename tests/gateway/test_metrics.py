@@ -39,7 +39,7 @@ def metered(tmp_path_factory, start_worker, start_gateway):
     model = tmp_path_factory.mktemp("metrics") / "tiny-qwen3.gguf"
     write_tiny_gguf(model, "qwen3", context_length=1024)
     port = free_port()
-    worker = start_worker(model, "--metrics-port", str(port), "--batch", "2", "--ctx", "1024")
+    worker = start_worker(model, "--metrics-port", str(port), "--batch", "2", "--kv-slots", "2", "--ctx", "1024")
     return [start_gateway(worker), start_gateway(worker)], f"http://127.0.0.1:{port}/metrics", worker
 
 

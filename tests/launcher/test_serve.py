@@ -255,3 +255,34 @@ def test_a_model_that_cannot_load_ends_the_command_with_the_reason(serve_factory
     stderr = served.stderr.decode()
     assert "model file not found" in stderr
     assert "the worker (pid" in stderr and "exited with code 2 while loading the model" in stderr
+
+
+def test_two_workers_on_their_defaults_keep_six_conversations_resident(serve_factory, tmp_path):
+    """Agents run several conversations at once (a main one and its subagents): each worker
+    sizes its KV slots from its memory by default (at least four), so with two workers and six
+    interleaved conversations every second turn finds its first turn still resident."""
+    import random
+
+    import openai
+
+    served = serve_factory("--workers", "2", "--kv-cache-dir", str(tmp_path / "kv"))
+    served.wait_ready()
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    words = ("notes", "river", "stone", "lamp", "garden", "window", "paper", "cloud", "engine", "bridge")
+    conversations = []
+    for i in range(6):
+        rng = random.Random(i)
+        system = f"You are assistant {i}. Reference: " + " ".join(rng.choice(words) for _ in range(400))
+        conversations.append([{"role": "system", "content": system},
+                              {"role": "user", "content": f"Name the first word of the reference, {i}."}])
+    firsts = []
+    for messages in conversations:
+        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        messages.append({"role": "user", "content": "And the second word?"})
+        firsts.append(reply.usage.prompt_tokens)
+    for messages, first in zip(conversations, firsts):
+        usage = client.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0).usage
+        assert usage.prompt_tokens_details.cached_tokens >= 0.95 * first, (usage, first)
+    log = served.stderr.decode(errors="replace")
+    assert "--kv-slots" in log and "resident caches" in log  # each worker says how many it chose

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -284,3 +285,31 @@ def test_fill_in_the_middle_tokens_from_the_keys_or_the_texts(qwen_metadata, smo
     assert smollm_tokenizer.fim_ids is None
     # the ids travel with the spec a worker sends its gateways
     assert Tokenizer.from_spec(msgpack.unpackb(msgpack.packb(keyed.to_spec()))).fim_ids == (10, 11, 12)
+
+
+def test_sentencepiece_without_merges_equals_the_bpe_of_every_split(tokenizers):
+    """The SentencePiece encoder that ranks a pair by its union's score (no table of merges)
+    against a Hugging Face BPE whose merges are every split of every piece ranked the same way,
+    on text of every kind: prose, code, whitespace runs, scripts without pieces, emoji, and
+    control tokens with and without parsing."""
+    import random
+
+    from shared.tokenizer import AddedTexts, SentencePieceBPE, SentencePieceEncoder, with_added
+
+    tokenizer = tokenizers["gemma3"]
+    rng = random.Random(0)
+    text = (Path(__file__).read_text() + Path(__file__).parents[2].joinpath("README.md").read_text())
+    samples = [text[at:at + rng.randint(1, 300)] for at in (rng.randrange(len(text)) for _ in range(600))]
+    alphabet = ([chr(c) for c in range(32, 127)] + [chr(c) for c in range(0x400, 0x450)] + ["\n", "\t", "  "]
+                + [chr(c) for c in range(0x4e00, 0x4e40)] + [chr(c) for c in range(0x1f600, 0x1f610)])
+    samples += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 80))) for _ in range(400)]
+    samples += ["<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", "a<unused0>b  c", "\n\n\n"]
+    vocab = {piece: index for index, piece in enumerate(tokenizer.to_spec()["tokens"])}
+    for prefix, match_special in ((False, True), (True, True), (True, False)):  # Gemma's rule, then Llama 2's
+        spec = {**tokenizer.to_spec(), "add_space_prefix": prefix}
+        added = AddedTexts(tuple(tokenizer.id_to_piece(i) for i in sorted(tokenizer.special_ids)),
+                           tuple(tokenizer.id_to_piece(i) for i in sorted(tokenizer.user_defined_ids)), match_special)
+        ours = SentencePieceEncoder(spec, vocab, prefix, added)
+        reference = with_added(SentencePieceBPE.encoder(spec, vocab, True), added)
+        for sample in samples:
+            assert ours(sample) == reference(sample), sample

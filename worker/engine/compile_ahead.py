@@ -11,7 +11,7 @@ Each helper marks what it compiled (a file in numba's cache directory, which is 
 of the kernel sources, named for the CPU), so a later start spawns nothing. A helper that fails
 costs only time: the warm-up then compiles that kernel itself.
 
-    python -m worker.engine.compile_ahead attention:f16 gemm:Q4_K …   (what a helper runs)
+    python -c "$HELPER" attention:f16 gemm:Q4_K …   (what a helper runs: ``main``)
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 KV_DTYPES = {"f16": np.uint16, "f32": np.float32}  # a cache's arrays as the kernels read them
+HELPER = "import sys; from worker.engine.compile_ahead import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _cpu() -> str:
@@ -112,7 +113,7 @@ class CompileAhead:
         shares = [jobs[i::helpers] for i in range(helpers)]
         env = {**os.environ, "NUMBA_NUM_THREADS": "1"}
         for share in shares:
-            ahead.processes.append(subprocess.Popen([sys.executable, "-m", __name__, *share], env=env,
+            ahead.processes.append(subprocess.Popen([sys.executable, "-c", HELPER, *share], env=env,
                                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         return ahead
 
@@ -127,7 +128,3 @@ def main(argv: list[str]) -> int:
     for job in argv:
         compile_job(job)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
