@@ -12,6 +12,8 @@ Per key block, in float32 and WIDTH lanes (``wide_simd.py``: 16 with AVX-512, el
 * the block's keys and values are widened once into scratch rows (dims padded with zeros);
 * scores, four rows by four keys at a time: each score runs over the head in lanes (dim i in
   lane i % WIDTH), folded to eight lanes and added in one fixed tree (``simd.sums8_f32``);
+  a task of few rows (a decode step) reads the cache in place instead, two rows by eight keys,
+  each score the same operations;
 * the online softmax, row by row;
 * the weighted values, four rows at a time: each output dim sums its keys in order.
 
@@ -32,12 +34,13 @@ from numba.extending import intrinsic
 from worker.engine.kernels.simd import (add_f32, floor_f32, fmadd, load_f32x8, max_f32, mul_f32, pow2_f32,
                                         splat_f32, store_f32x8, store_kv8, sub_f32, sum_pairs_f32, sums8_f32)
 from worker.engine.kernels.wide_simd import (WIDTH, add_float, floor_floats, fma_float, keep_lanes, largest_lane,
-                                             load_floats, load_widened, max_float, mul_float, pow2_floats,
-                                             put_floats, splat_float, sub_float, to_eight, zeros_float)
+                                             load_floats, load_widened, max_float, mul_float,
+                                             pow2_floats, put_floats, splat_float, sub_float, to_eight, zeros_float)
 
 KEY_BLOCK = 64
 QUERY_BLOCK = 64
 TILE = 4  # rows a step of the scores and of the value sums takes
+DIRECT_ROWS = 8  # a task of at most this many rows reads the cache in place (no widened scratch)
 
 
 @intrinsic
@@ -140,6 +143,48 @@ def _score_quad(qf, kf, r, j, chunks, lanes):
 
 
 @njit(inline="always", cache=True)
+def _cache_lanes(rows, kv, start, count, j, at, width):
+    """Lanes at..at+WIDTH-1 of cache row start + j widened as ``_widen_row`` puts them in its
+    scratch (zeros past ``width`` dims or past the ``count`` keys of the block)."""
+    present = j < count
+    return load_widened(rows[kv, start + j] if present else rows[kv, start], at,
+                        max(0, min(WIDTH, width - at)) if present else 0)
+
+
+@njit(inline="always", cache=True)
+def _score_pair_from_cache(qf, keys, kv, start, count, r, j, chunks, lanes):
+    """Rows r, r+1 against keys j..j+7 read from the cache where they are: sixteen scores into
+    ``lanes`` (row-major), each as ``_score_quad`` makes it. For a task of few rows (a decode
+    step), widening a block into scratch first would cost more than its scores."""
+    head_dim = keys.shape[2]
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zeros_float()
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = zeros_float()
+    for c in range(chunks):
+        at = WIDTH * c
+        q0, q1 = load_floats(qf[r], at), load_floats(qf[r + 1], at)
+        k = _cache_lanes(keys, kv, start, count, j, at, head_dim)
+        a0, b0 = fma_float(q0, k, a0), fma_float(q1, k, b0)
+        k = _cache_lanes(keys, kv, start, count, j + 1, at, head_dim)
+        a1, b1 = fma_float(q0, k, a1), fma_float(q1, k, b1)
+        k = _cache_lanes(keys, kv, start, count, j + 2, at, head_dim)
+        a2, b2 = fma_float(q0, k, a2), fma_float(q1, k, b2)
+        k = _cache_lanes(keys, kv, start, count, j + 3, at, head_dim)
+        a3, b3 = fma_float(q0, k, a3), fma_float(q1, k, b3)
+        k = _cache_lanes(keys, kv, start, count, j + 4, at, head_dim)
+        a4, b4 = fma_float(q0, k, a4), fma_float(q1, k, b4)
+        k = _cache_lanes(keys, kv, start, count, j + 5, at, head_dim)
+        a5, b5 = fma_float(q0, k, a5), fma_float(q1, k, b5)
+        k = _cache_lanes(keys, kv, start, count, j + 6, at, head_dim)
+        a6, b6 = fma_float(q0, k, a6), fma_float(q1, k, b6)
+        k = _cache_lanes(keys, kv, start, count, j + 7, at, head_dim)
+        a7, b7 = fma_float(q0, k, a7), fma_float(q1, k, b7)
+    store_f32x8(lanes, 0, sums8_f32(to_eight(a0), to_eight(a1), to_eight(a2), to_eight(a3), to_eight(a4),
+                                    to_eight(a5), to_eight(a6), to_eight(a7)))
+    store_f32x8(lanes, 8, sums8_f32(to_eight(b0), to_eight(b1), to_eight(b2), to_eight(b3), to_eight(b4),
+                                    to_eight(b5), to_eight(b6), to_eight(b7)))
+
+
+@njit(inline="always", cache=True)
 def _softmax_block(scores, row, lo, hi, scale, softcap, running_max, running_sum, acc):
     """Turn a row's raw scores of keys lo..hi-1 (block columns) into e^(s - max), zero the
     columns it does not see, and rescale its sum and output to the new running maximum."""
@@ -202,6 +247,29 @@ def _add_values(vf, weights, r, first_key, last_key, acc, c):
     put_floats(o3, at + WIDTH, a7)
 
 
+@njit(inline="always", cache=True)
+def _add_values_from_cache(values, kv, start, weights, r, first_key, last_key, acc):
+    """``_add_values`` for rows r, r+1 over every value dim, the values read from the cache
+    where they are (few rows): each output dim sums its keys in the same order."""
+    value_dim = values.shape[2]
+    o0, o1 = acc[r], acc[r + 1]
+    for at in range(0, acc.shape[1], 2 * WIDTH):
+        a0, a1 = load_floats(o0, at), load_floats(o0, at + WIDTH)
+        a2, a3 = load_floats(o1, at), load_floats(o1, at + WIDTH)
+        for j in range(first_key, last_key):
+            v = values[kv, start + j]
+            v0 = load_widened(v, at, max(0, min(WIDTH, value_dim - at)))
+            v1 = load_widened(v, at + WIDTH, max(0, min(WIDTH, value_dim - at - WIDTH)))
+            p = splat_float(weights[r, j])
+            a0, a1 = fma_float(p, v0, a0), fma_float(p, v1, a1)
+            p = splat_float(weights[r + 1, j])
+            a2, a3 = fma_float(p, v0, a2), fma_float(p, v1, a3)
+        put_floats(o0, at, a0)
+        put_floats(o0, at + WIDTH, a1)
+        put_floats(o1, at, a2)
+        put_floats(o1, at + WIDTH, a3)
+
+
 # No reassociation: rows must add in the orders written (lanes, then a fixed tree), which a
 # reassociating compiler would change; and infinities are real here (a running maximum starts
 # at -inf).
@@ -231,7 +299,11 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
         t0 = block * QUERY_BLOCK
         t1 = min(n_tokens, t0 + QUERY_BLOCK)
         rows = (t1 - t0) * group
-        padded = rows + (-rows) % TILE
+        # a task of few rows (a decode step) reads keys and values where they are, two rows at
+        # a time; more rows share each block widened once into scratch, four at a time
+        direct = rows <= DIRECT_ROWS
+        tile = 2 if direct else TILE
+        padded = rows + (-rows) % tile
         # row r is token t0 + r // group, head kv * group + r % group; padding repeats the last row
         position = np.empty(padded, dtype=np.int64)
         qf = np.empty((padded, WIDTH * d_chunks), dtype=np.float32)
@@ -239,8 +311,8 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
             real = min(r, rows - 1)
             position[r] = first_pos + t0 + real // group
             _widen_row(q[t0 + real // group, kv * group + real % group], head_dim, qf, r, d_chunks)
-        kf = np.empty((KEY_BLOCK, WIDTH * d_chunks), dtype=np.float32)
-        vf = np.empty((KEY_BLOCK, 2 * WIDTH * v_steps), dtype=np.float32)
+        kf = np.empty((0 if direct else KEY_BLOCK, WIDTH * d_chunks), dtype=np.float32)
+        vf = np.empty((0 if direct else KEY_BLOCK, 2 * WIDTH * v_steps), dtype=np.float32)
         scores = np.empty((padded, KEY_BLOCK), dtype=np.float32)
         lanes = np.empty(16, dtype=np.float32)
         acc = np.zeros((padded, 2 * WIDTH * v_steps), dtype=np.float32)
@@ -250,7 +322,7 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
         last = first_pos + t1 - 1
         for start in range(lowest - lowest % KEY_BLOCK, last + 1, KEY_BLOCK):
             count = min(KEY_BLOCK, n_keys - start)
-            for j in range(KEY_BLOCK):
+            for j in range(0 if direct else KEY_BLOCK):
                 present = j < count
                 _widen_row(keys[kv, start + j] if present else keys[kv, start], head_dim if present else 0, kf, j,
                            d_chunks)
@@ -258,10 +330,17 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
                            vf, j, 2 * v_steps)
             # rows are in token order and a span's ends grow with the position: the keys a
             # tile's rows may see run from its first row's lo to its last row's hi
-            for r in range(0, padded, TILE):
+            for r in range(0, padded, tile):
                 lo = key_span(start, position[r], window)[0]
-                hi = key_span(start, position[r + 3], window)[1]
+                hi = key_span(start, position[r + tile - 1], window)[1]
                 if lo >= hi:
+                    continue
+                if direct:
+                    for j in range(lo - lo % 8 - start, hi - start, 8):
+                        _score_pair_from_cache(qf, keys, kv, start, count, r, j, d_chunks, lanes)
+                        for i in range(8):
+                            scores[r, j + i] = lanes[i]
+                            scores[r + 1, j + i] = lanes[8 + i]
                     continue
                 for j in range(lo - lo % 4 - start, hi - start, 4):
                     _score_quad(qf, kf, r, j, d_chunks, lanes)
@@ -274,10 +353,12 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
                     _softmax_block(scores, r, lo - start, hi - start, scale, softcap, running_max, running_sum, acc)
                 else:  # no key of this block: its weights are 0 for the tiles' value sums
                     scores[r, :] = 0.0
-            for r in range(0, padded, TILE):
+            for r in range(0, padded, tile):
                 lo = key_span(start, position[r], window)[0]
-                hi = key_span(start, position[r + 3], window)[1]
-                if lo < hi:
+                hi = key_span(start, position[r + tile - 1], window)[1]
+                if lo < hi and direct:
+                    _add_values_from_cache(values, kv, start, scores, r, lo - start, hi - start, acc)
+                elif lo < hi:
                     for c in range(v_steps):
                         _add_values(vf, scores, r, lo - start, hi - start, acc, c)
         for r in range(rows):

@@ -375,6 +375,21 @@ def load_widened(typingctx, array, element_offset, count):
 
 
 @intrinsic
+def load_widened_all(typingctx, array, element_offset):
+    """``load_widened`` of a whole WIDTH values (a plain load, no mask)."""
+    half = array.dtype == types.uint16
+
+    def codegen(context, builder, sig, args):
+        data = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0]).data
+        element = ir.HalfType() if half else ir.FloatType()
+        vector = ir.VectorType(element, WIDTH)
+        pointer = builder.bitcast(builder.gep(data, [args[1]]), vector.as_pointer())
+        loaded = builder.load(pointer, align=2 if half else 4)
+        return builder.fpext(loaded, Floats.llvm_type()) if half else loaded
+    return Floats(array, element_offset), codegen
+
+
+@intrinsic
 def splat_float(typingctx, value):
     def codegen(context, builder, sig, args):
         return _splat(builder, args[0], Floats.llvm_type())
