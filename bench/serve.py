@@ -55,6 +55,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -66,6 +67,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.faults import cpu_flags
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -295,7 +298,8 @@ def apply_chat_chunk(result: StreamResult, payload: dict[str, Any], now: float) 
         raise RuntimeError(f"stream error: {payload['error']}")
     for choice in payload.get("choices") or []:
         delta = choice.get("delta") or {}
-        text = delta.get("content") or delta.get("reasoning_content") or ""
+        # a chat chunk's delta, or a text completion's text
+        text = delta.get("content") or delta.get("reasoning_content") or choice.get("text") or ""
         if text or delta.get("tool_calls"):
             result.chunk_times.append(now)
             result.text += text
@@ -513,13 +517,18 @@ class ServerSpec:
         return f"http://127.0.0.1:{self.port}"
 
 
-def lmserve_spec(model: str, ctx: int, parallel: int, threads: int) -> ServerSpec:
+def lmserve_spec(model: str, ctx: int, parallel: int, threads: int, kv_slots: int | None = None,
+                 kernel_cache: str | None = None) -> ServerSpec:
+    """``lmserve serve`` with --batch ``parallel`` (and --kv-slots its default, unless given);
+    ``kernel_cache``: numba's cache directory for the run (an empty one: a first start)."""
     port = free_port()
-    blas = {k: str(threads) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = {k: str(threads) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    if kernel_cache:
+        env["NUMBA_CACHE_DIR"] = kernel_cache
+    slots = ["--kv-slots", str(kv_slots)] if kv_slots else []
     return ServerSpec(LMSERVE, [sys.executable, "-m", "launcher.cli", "serve", model, "--ctx", str(ctx),
-                                "--batch", str(parallel), "--kv-slots", str(parallel), "--threads", str(threads),
-                                "--port", str(port)],
-                      port, "/health", blas)
+                                "--batch", str(parallel), *slots, "--threads", str(threads), "--port", str(port)],
+                      port, "/health", env)
 
 
 def peer_spec(binaries: Path, model: str, ctx: int, parallel: int, threads: int) -> ServerSpec:
@@ -538,7 +547,9 @@ class MemorySampler:
         self._psutil = psutil
         self.pid = pid
         self.interval = interval
-        self.peak = 0
+        self.peak = 0  # the largest sum of RSS over the process tree
+        self.peak_pss = 0  # of PSS: each shared page counted once, split between its processes
+        self.roles: dict[str, int] = {}  # each kind of process's largest PSS
         self._server_cpu: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -559,15 +570,20 @@ class MemorySampler:
             procs = [root, *root.children(recursive=True)]
         except self._psutil.Error:
             return
-        rss = 0
+        rss = pss = 0
         for p in procs:
             try:
-                rss += p.memory_info().rss
+                mine = process_memory(p.pid) or (p.memory_info().rss, p.memory_info().rss)
+                rss += mine[0]
+                pss += mine[1]
+                role = process_role(p.cmdline())
+                self.roles[role] = max(self.roles.get(role, 0), mine[1])
                 times = p.cpu_times()
                 self._server_cpu[p.pid] = times.user + times.system
             except self._psutil.Error:
                 pass
         self.peak = max(self.peak, rss)
+        self.peak_pss = max(self.peak_pss, pss)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -575,7 +591,7 @@ class MemorySampler:
             self._stop.wait(self.interval)
 
     def reset_peak(self) -> None:
-        self.peak = 0
+        self.peak = self.peak_pss = 0
         self._sample()
 
     def start(self) -> MemorySampler:
@@ -616,6 +632,28 @@ class MemorySampler:
                 "loadavg_1m": os.getloadavg()[0]}
 
 
+def process_memory(pid: int) -> tuple[int, int] | None:
+    """(RSS, PSS) of a process in bytes, from /proc (None where it cannot be read). PSS splits
+    each page among the processes that map it: summed over a stack of processes sharing
+    libraries, it is the memory the stack holds; RSS sums count shared pages once per process."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in fh if line.split()[1:2]
+                      and line.split()[1].isdigit()}
+        return fields["Rss"], fields["Pss"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def process_role(cmdline: list[str]) -> str:
+    """Which part of a server a process is: lmserve's worker, gateway or launcher, or the peer."""
+    words = " ".join(cmdline)
+    for role in ("worker", "gateway", "compile_ahead"):
+        if f" {role}" in words or words.endswith(role):
+            return role
+    return "launcher" if "launcher" in words else os.path.basename(cmdline[0]) if cmdline else "?"
+
+
 def wait_for_quiet(threshold: float, max_wait: float, probe: float = 5.0) -> float:
     """Wait until the machine's other processes use at most ``threshold`` cores (or max_wait
     seconds pass); return the last reading. Run between servers, so nothing of ours is busy."""
@@ -636,8 +674,11 @@ def wait_for_quiet(threshold: float, max_wait: float, probe: float = 5.0) -> flo
 
 
 def start_server(spec: ServerSpec, log: Path, timeout: float = 600.0) -> subprocess.Popen:
+    """Start a server and wait until it answers ready; ``proc.ready_after`` is how long that
+    took (seconds, to a tenth)."""
     import httpx
     log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
     with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(spec.command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, **spec.env}, start_new_session=True)
@@ -648,10 +689,11 @@ def start_server(spec: ServerSpec, log: Path, timeout: float = 600.0) -> subproc
                                f"log {log}:\n{_tail(log)}")
         try:
             if httpx.get(spec.base_url + spec.ready_path, timeout=2).status_code == 200:
+                proc.ready_after = time.monotonic() - started  # type: ignore[attr-defined]
                 return proc
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     stop_server(proc)
     raise RuntimeError(f"{spec.name} not ready after {timeout:.0f} s; log {log}:\n{_tail(log)}")
 
@@ -692,6 +734,8 @@ class Plan:
     cc_system: int
     cc_turns: int
     cc_tokens: int
+    longest_prompt: int = 0  # a cold prompt of this many tokens, where the model's context holds it (0: none)
+    claude_code: bool = True
 
 
 FULL = Plan(short_tokens=256, concurrency=(1, 4, 8), long_prompt=2000, long_tokens=32, longer_prompt=6500,
@@ -708,9 +752,12 @@ class Workload:
         from shared.tokenizer import Tokenizer
         from worker.engine.gguf_file import GGUFFile
         meta = GGUFFile(model_path).metadata
+        self.context = int(meta.get(f"{meta.get('general.architecture')}.context_length", 0) or 0)
         self.tokenizer = Tokenizer.from_gguf_metadata(meta)
         self.template = chat_template_from_metadata(meta)
         self.plan = plan
+        # base models (no chat template) are driven through the text completions endpoint
+        self.path = "/v1/chat/completions" if self.template is not None else "/v1/completions"
         self.nonce = nonce  # starts every long prompt, so nothing of it is cached from an earlier run
         self.no_stop = {str(i): -100 for i in sorted(self.tokenizer.stop_ids | self.tokenizer.special_ids)}
 
@@ -718,14 +765,26 @@ class Workload:
         return len(self.tokenizer.encode(text, add_special=False, parse_special=False))
 
     def prompt_tokens(self, messages: list[dict[str, Any]]) -> int | None:
-        """The chat prompt's length as the model's own template and tokenizer make it."""
+        """The prompt's length as the model's own template (or the plain text a base model
+        gets) and tokenizer make it."""
         if self.template is None:
-            return None
+            return len(self.tokenizer.encode(self.plain(messages), add_special=True))
         return len(self.tokenizer.encode(self.template.render(messages), add_special=True))
 
+    @staticmethod
+    def plain(messages: list[dict[str, Any]]) -> str:
+        """A conversation as the plain text a base model continues."""
+        return "\n\n".join(str(m["content"]) for m in messages) + "\n\n"
+
     def chat(self, model: str, messages: list[dict[str, Any]], max_tokens: int, exact: bool = True) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                                "stream": True, "stream_options": {"include_usage": True}}
+        """A streaming request of the conversation: a chat completion, or a text completion of
+        its plain text for a base model (``path`` says which)."""
+        body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                                "stream_options": {"include_usage": True}}
+        if self.template is None:
+            body["prompt"] = self.plain(messages)
+        else:
+            body["messages"] = messages
         if exact:
             body["logit_bias"] = self.no_stop
         return body
@@ -774,7 +833,7 @@ async def run_server_repeat(base_url: str, work: Workload, repeat: int, sampler:
     import httpx
     plan = work.plan
     figs = RepeatFigures()
-    chat_path = "/v1/chat/completions"
+    chat_path = work.path
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0)) as client:
         model = await served_model(client, base_url)
         # warm-up: first-request costs (imports, allocations) are not part of any figure
@@ -849,10 +908,24 @@ async def run_server_repeat(base_url: str, work: Workload, repeat: int, sampler:
         figs.values["longer cold|prefill"] = longer_tokens / far.ttft if longer_tokens and far.ttft else None
         figs.checks["longer cold prompt tokens"] = {"counted": longer_tokens, "reported": far.prompt_tokens}
         note_load("longer cold")
+        if plan.longest_prompt and work.context >= plan.longest_prompt + 64:
+            longest = work.long_conversation(10_000 * (repeat + 1) + 31, plan.longest_prompt)
+            await settle()
+            (cold16,), _ = await run_batch(client, base_url, chat_path, [work.chat(model, longest, 4)])
+            longest_tokens = work.prompt_tokens(longest)
+            figs.values["longest cold|ttft"] = _ms(cold16.ttft)
+            figs.values["longest cold|prefill"] = (longest_tokens / cold16.ttft if longest_tokens and cold16.ttft
+                                                   else None)
+            figs.checks["longest cold prompt tokens"] = {"counted": longest_tokens, "reported": cold16.prompt_tokens}
+            note_load("longest cold")
         if sampler is not None:
             figs.values["memory|chat"] = sampler.peak / 2**20
+            figs.values["memory|pss"] = sampler.peak_pss / 2**20
+            figs.checks["peak PSS by process (MiB)"] = {k: round(v / 2**20, 1) for k, v in sampler.roles.items()}
         # a Claude-Code-shaped session through /v1/messages
-        if await serves_messages(client, base_url, model):
+        if not plan.claude_code:
+            figs.checks["claude-code"] = "skipped (--no-claude-code)"
+        elif await serves_messages(client, base_url, model):
             system, tools, messages = work.claude_code(repeat)
             await settle()
             ttfts, rates, cached = [], [], []
@@ -902,20 +975,27 @@ OTHER_ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("long cold|decode", "decode at that context", "tok/s", HIGHER),
     ("longer cold|ttft", "time to first token", "ms", LOWER),
     ("longer cold|prefill", "prefill", "tok/s", HIGHER),
+    ("longest cold|ttft", "time to first token", "ms", LOWER),
+    ("longest cold|prefill", "prefill", "tok/s", HIGHER),
     ("next turn|ttft", "time to first token", "ms", LOWER),
     ("next turn|decode", "decode", "tok/s", HIGHER),
     ("claude-code|ttft first", "time to first token, turn 1 (cold)", "ms", LOWER),
     ("claude-code|ttft later", "time to first token, later turns", "ms", LOWER),
     ("claude-code|decode", "decode", "tok/s", HIGHER),
     ("memory|chat", "peak RSS, chat scenarios", "MiB", LOWER),
+    ("memory|pss", "peak PSS, chat scenarios", "MiB", LOWER),
     ("memory|all", "peak RSS, with claude-code", "MiB", LOWER),
+    ("start|cold", "start to ready, empty kernel cache", "s", LOWER),
+    ("start|warm", "start to ready", "s", LOWER),
 )
 
 
 def scenario_titles(plan: Plan) -> dict[str, str]:
     return {"long cold": f"{plan.long_prompt}-token prompt, cold",
             "longer cold": f"{plan.longer_prompt}-token prompt, cold", "next turn": "next turn (prefix cached)",
-            "claude-code": f"claude-code /v1/messages (~{plan.cc_system // 1000}k system)", "memory": "server"}
+            "longest cold": f"{plan.longest_prompt}-token prompt, cold",
+            "claude-code": f"claude-code /v1/messages (~{plan.cc_system // 1000}k system)", "memory": "server",
+            "start": "server"}
 
 
 def build_rows(plan: Plan, per_server: dict[str, list[RepeatFigures]], notes: dict[str, dict[str, str]]) -> list[Row]:
@@ -1014,6 +1094,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="GGUF file (default: the default model)")
+    p.add_argument("--models", help="several, one after another, each with its own results and a summary across "
+                                    "them: paths, names `lmserve models` knows, or SHAPE:TYPE for a file of a real "
+                                    "model's shapes bench.synthetic writes (e.g. qwen3-0.6b:Q8_0)")
+    p.add_argument("--concurrency", help="stream counts of the short scenario (default 1,4,8)")
+    p.add_argument("--longest", type=int, default=0, metavar="TOKENS",
+                   help="also a cold prompt of this many tokens, where the model's context holds it (0: none)")
+    p.add_argument("--no-claude-code", action="store_true", help="skip the claude-code session")
+    p.add_argument("--kv-slots", type=int, default=None, help="lmserve --kv-slots (default: lmserve's own)")
+    p.add_argument("--floor", metavar="MODEL",
+                   help="also both servers at their smallest setting (--ctx 4096 and one slot) on this model: "
+                        "peak memory")
     p.add_argument("--repeats", type=int, default=None, help="runs of every server (default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 repeat, fewer tokens, shorter prompts")
     p.add_argument("--ctx", type=int, default=20480, help="context of both servers (default 20480)")
@@ -1040,6 +1131,27 @@ def _exit_on_sigterm(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop the servers
 
 
+def resolve_models(names: str) -> list[str]:
+    """GGUF paths for --models: a path, a name ``lmserve models`` knows, or ``SHAPE:TYPE`` for a
+    file of a real model's shapes that bench.synthetic writes (once, under bench/results/models)."""
+    from shared.default_model import MODELS, model_path
+    paths = []
+    for name in (n.strip() for n in names.split(",") if n.strip()):
+        if name in MODELS:
+            paths.append(str(model_path(name)))
+        elif ":" in name and not os.path.exists(name):
+            shape, qtype = name.split(":", 1)
+            out = RESULTS / "models"
+            target = out / f"{shape}-synthetic-{qtype}.gguf"
+            if not target.exists():
+                subprocess.run([sys.executable, "-m", "bench.synthetic", "write", shape, "--type", qtype,
+                                "--out", str(out)], cwd=REPO, check=True)
+            paths.append(str(target))
+        else:
+            paths.append(name)
+    return paths
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:
@@ -1048,23 +1160,49 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     plan = QUICK if args.quick else FULL
+    if args.cc_system:
+        plan = dataclasses.replace(plan, cc_system=args.cc_system)
+    plan = dataclasses.replace(plan, longest_prompt=args.longest, claude_code=not args.no_claude_code,
+                               concurrency=tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency
+                               else plan.concurrency)
     repeats = args.repeats or (1 if args.quick else 3)
     from shared.default_model import default_model_path
-    model = args.model or str(default_model_path())
+    models = resolve_models(args.models) if args.models else [args.model or str(default_model_path())]
     external = dict(u.split("=", 1) for u in args.url)
     wanted = [s for s in args.servers.split(",") if s] if not external else list(external)
     unknown = [s for s in wanted if s not in SERVERS]
     if unknown:
         print(f"bench.serve: unknown server(s) {unknown}; names are {', '.join(SERVERS)}", file=sys.stderr)
         return 2
+    peer_bin = ensure_peer(find_peer_build(args.peer_build)) if PEER in wanted and PEER not in external else None
+    documents = []
+    for model in models:
+        out = Path(args.out) if len(models) == 1 else Path(args.out).with_name(f"serve-{Path(model).stem}.json")
+        documents.append(run_model(args, argv, model, plan, repeats, wanted, external, peer_bin, out))
+    if args.floor:
+        floor = memory_floor(args, resolve_models(args.floor)[0], wanted, peer_bin)
+        print(floor["line"])
+        for document in documents:
+            document["meta"]["floor"] = floor
+    if len(models) > 1 or args.floor:
+        summary = summary_table(documents)
+        print()
+        print(summary)
+        (Path(args.out).with_name("serve-summary.md")).write_text(summary + "\n")
+        (Path(args.out).with_name("serve-summary.json")).write_text(json.dumps(
+            {"models": [d["meta"] for d in documents], "rows": [d["rows"] for d in documents]}, indent=1) + "\n")
+    return 0
+
+
+def run_model(args: argparse.Namespace, argv: list[str] | None, model: str, plan: Plan, repeats: int,
+              wanted: list[str], external: dict[str, str], peer_bin: Path | None, out: Path) -> dict[str, Any]:
+    """Every repeat of every server on one model; lmserve starts first with an empty kernel cache
+    (a first start on this machine), then from the one that start filled."""
+    import tempfile
     print(f"bench.serve: preparing prompts from {Path(model).name}", flush=True)
-    if args.cc_system:
-        plan = dataclasses.replace(plan, cc_system=args.cc_system)
     work = Workload(model, plan, nonce=int(time.time()) % 100_000)
-    peer_bin: Path | None = None
     kernels: dict[str, Any] | None = None
-    if PEER in wanted and PEER not in external:
-        peer_bin = ensure_peer(find_peer_build(args.peer_build))
+    if peer_bin is not None:
         if args.quiet >= 0:
             wait_for_quiet(args.quiet, args.quiet_wait)
         kernels = peer_kernels(peer_bin, model, args.threads)
@@ -1074,6 +1212,8 @@ def main(argv: list[str] | None = None) -> int:
     commands: dict[str, list[str]] = {}
     notes: dict[str, dict[str, str]] = {}
     started_all = time.perf_counter()
+    kernel_cache = tempfile.mkdtemp(prefix="lmserve-bench-kernels-")
+    cold_start: float | None = None
     for repeat in range(repeats):
         for name in wanted:
             print(f"bench.serve: repeat {repeat + 1}/{repeats}, {name}", flush=True)
@@ -1083,9 +1223,15 @@ def main(argv: list[str] | None = None) -> int:
             if name in external:
                 base_url = external[name].rstrip("/")
             else:
-                spec = (lmserve_spec(model, args.ctx, args.parallel, args.threads) if name == LMSERVE
-                        else peer_spec(peer_bin, model, args.ctx, args.parallel, args.threads))  # type: ignore[arg-type]
+                spec = (lmserve_spec(model, args.ctx, args.parallel, args.threads, args.kv_slots, kernel_cache)
+                        if name == LMSERVE else peer_spec(peer_bin, model, args.ctx, args.parallel, args.threads))  # type: ignore[arg-type]
                 commands[name] = spec.command
+                if name == LMSERVE and cold_start is None:  # a first start: then it stops, and the repeats begin
+                    first = start_server(spec, RESULTS / f"serve-{name}.log.tmp")
+                    cold_start = first.ready_after  # type: ignore[attr-defined]
+                    stop_server(first)
+                    print(f"bench.serve:   lmserve first start (empty kernel cache) ready in {cold_start:.1f} s",
+                          flush=True)
                 proc = start_server(spec, RESULTS / f"serve-{name}.log.tmp")
                 base_url = spec.base_url
             try:
@@ -1101,6 +1247,10 @@ def main(argv: list[str] | None = None) -> int:
                 load = sampler.stop() if sampler else {}
                 if proc is not None:
                     stop_server(proc)
+            if proc is not None:
+                figs.values["start|warm"] = proc.ready_after  # type: ignore[attr-defined]
+                if name == LMSERVE and repeat == 0:
+                    figs.values["start|cold"] = cold_start
             loads[name].append({**load, "other_cores_before": before} if before is not None else load)
             per_server[name].append(figs)
             if "claude-code" in figs.checks:
@@ -1112,14 +1262,94 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench.serve:   other processes used {load['other_cores']:.2f} cores on average",
                       flush=True)
             print(f"bench.serve:   checks {json.dumps(figs.checks)}", flush=True)
-            write_results(Path(args.out), plan, per_server, notes, run_meta(args, argv, model, repeats, peer_bin,
-                                                                           commands, loads, started_all, kernels))
-    out = Path(args.out)
+            write_results(out, plan, per_server, notes, run_meta(args, argv, model, repeats, peer_bin,
+                                                                 commands, loads, started_all, kernels))
+    shutil.rmtree(kernel_cache, ignore_errors=True)
     document = write_results(out, plan, per_server, notes,
-                             run_meta(args, argv, model, repeats, peer_bin, commands, loads, started_all,
-                                      kernels))
+                             run_meta(args, argv, model, repeats, peer_bin, commands, loads, started_all, kernels))
     report(document, out)
-    return 0
+    return document
+
+
+def memory_floor(args: argparse.Namespace, model: str, wanted: list[str], peer_bin: Path | None) -> dict[str, Any]:
+    """Both servers at their smallest useful setting (a 4096-token context, one KV slot), one
+    short request: the peak memory of each (RSS and PSS sums over its processes)."""
+    import httpx
+    figures: dict[str, dict[str, float]] = {}
+    for name in wanted:
+        spec = (lmserve_spec(model, 4096, 1, args.threads, kv_slots=1) if name == LMSERVE
+                else peer_spec(peer_bin, model, 4096, 1, args.threads))  # type: ignore[arg-type]
+        proc = start_server(spec, RESULTS / f"serve-{name}.log.tmp")
+        sampler = MemorySampler(proc.pid).start()
+        try:
+            body = {"model": "m", "messages": [{"role": "user", "content": "Hello there."}], "max_tokens": 16}
+            httpx.post(spec.base_url + "/v1/chat/completions", json=body, timeout=300).raise_for_status()
+            time.sleep(1.0)
+        finally:
+            sampler.stop()
+            stop_server(proc)
+        figures[name] = {"rss": sampler.peak / 2**20, "pss": sampler.peak_pss / 2**20,
+                         "by_process_pss": {k: round(v / 2**20, 1) for k, v in sampler.roles.items()}}
+    line = "smallest setting (ctx 4096, one slot), peak memory: " + "; ".join(
+        f"{n} RSS {f['rss']:.0f} MiB, PSS {f['pss']:.0f} MiB" for n, f in figures.items())
+    if LMSERVE in figures and PEER in figures:
+        line += (f"; ratio RSS {figures[LMSERVE]['rss'] / figures[PEER]['rss']:.2f}, "
+                 f"PSS {figures[LMSERVE]['pss'] / figures[PEER]['pss']:.2f}")
+    return {"model": Path(model).name, "servers": figures, "line": line}
+
+
+SUMMARY = (  # (row key, what it shows) for the summary across models
+    ("long cold|prefill", "prefill, cold ~2k prompt"),
+    ("longest cold|ttft", "TTFT, cold 16k prompt (lower is better)"),
+    ("short c=1|decode", "decode, 1 stream"),
+    ("short c=4|aggregate", "aggregate, 4 streams"),
+    ("memory|pss", "memory of the stack, PSS (lower is better)"),
+    ("memory|chat", "memory of the stack, RSS (lower is better)"),
+    ("start|warm", "start to ready (lower is better)"),
+)
+
+
+def summary_table(documents: list[dict[str, Any]]) -> str:
+    """One markdown row per model: lmserve's median, llama.cpp's, and their ratio, per figure."""
+    head = "| file | " + " | ".join(label for _, label in SUMMARY) + " | lmserve first start |"
+    lines = [head, "|" + "---|" * (len(SUMMARY) + 2)]
+    for document in documents:
+        cells = []
+        for key, _ in SUMMARY:
+            ours, theirs, unit = _medians(document, key)
+            if ours is None:
+                cells.append("—")
+            elif theirs:
+                cells.append(f"{_number(ours)} / {_number(theirs)} {unit} = {ours / theirs:.2f}")
+            else:
+                cells.append(f"{_number(ours)} {unit}")
+        first, _, _ = _medians(document, "start|cold")
+        cells.append(f"{first:.1f} s" if first is not None else "—")
+        lines.append(f"| {document['meta'].get('model')} | " + " | ".join(cells) + " |")
+    floor = next((d["meta"]["floor"] for d in documents if d["meta"].get("floor")), None)
+    if floor:
+        lines.append("")
+        lines.append(f"{floor['model']}: {floor['line']}")
+    return "\n".join(lines)
+
+
+def _medians(document: dict[str, Any], key: str) -> tuple[float | None, float | None, str]:
+    """(lmserve's median, llama.cpp's median, unit) of a figure, by its row key."""
+    plan = Plan(**{**document["meta"]["plan"], "concurrency": tuple(document["meta"]["plan"]["concurrency"])})
+    scenario, metric = key.split("|")
+    if scenario.startswith("short"):
+        c = int(scenario.split("=")[1])
+        title = f"short+{plan.short_tokens}, {c} stream{'s' * (c > 1)}"
+        label = {m: text for m, text, _, _ in ROW_SPECS}[metric]
+    else:
+        title = scenario_titles(plan)[scenario]
+        label = {k: text for k, text, _, _ in OTHER_ROWS}[key]
+    for row in document["rows"]:
+        if row["scenario"] == title and row["metric"] == label:
+            found = [statistics.median(row["servers"][s]["values"]) if row["servers"].get(s, {}).get("values")
+                     else None for s in SERVERS]
+            return found[0], found[1], row["unit"]
+    return None, None, ""
 
 
 def rows_from_json(document: dict[str, Any]) -> list[Row]:
@@ -1242,7 +1472,8 @@ def run_meta(args: argparse.Namespace, argv: list[str] | None, model: str, repea
     return {
         "command": "python -m bench.serve " + " ".join(argv if argv is not None else sys.argv[1:]),
         "when": time.strftime("%Y-%m-%d %H:%M:%S %z"), "duration_s": round(time.perf_counter() - started_all),
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+                    "cpu_flags": sorted(cpu_flags())},
         "model": Path(model).name, "repeats": repeats, "quick": args.quick, "ctx": args.ctx,
         "threads": args.threads, "parallel": args.parallel, "lmserve_revision": _git_revision(),
         "peer": {"server": "llama-server", "source": f"{PEER_PACKAGE} {PEER_VERSION} sdist",
@@ -1258,7 +1489,7 @@ def write_results(out: Path, plan: Plan, per_server: dict[str, list[RepeatFigure
                   notes: dict[str, dict[str, str]], meta: dict[str, Any]) -> dict[str, Any]:
     """Write the JSON (after every server run, so an interrupted run keeps what it measured)."""
     rows = build_rows(plan, per_server, notes)
-    meta = {**meta, "repeats_done": {s: len(r) for s, r in per_server.items()},
+    meta = {**meta, "plan": dataclasses.asdict(plan), "repeats_done": {s: len(r) for s, r in per_server.items()},
             "checks": {s: [r.checks for r in reps] for s, reps in per_server.items()}}
     single = next((r for r in rows if r.scenario.endswith(", 1 stream") and r.metric == "decode per stream"), None)
     peer_single = single.spread(PEER) if single else None

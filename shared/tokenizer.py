@@ -219,6 +219,11 @@ class VocabularyModel:
         raise NotImplementedError
 
     @classmethod
+    def all_piece_bytes(cls, tokens: list[str], types: bytes) -> list[bytes]:
+        """``piece_bytes`` of every token (a kind may do it faster than one by one)."""
+        return [cls.piece_bytes(piece, types[index]) for index, piece in enumerate(tokens)]
+
+    @classmethod
     def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
         """The encoder over the ordinary tokens; added tokens are registered by ``encode_with``.
         ``space_prefix`` False: a text that continues another (no leading-space rule)."""
@@ -390,6 +395,18 @@ class SentencePieceBPE(VocabularyModel):
         if token_type == TOKEN_BYTE and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode("utf-8")
+
+    @classmethod
+    def all_piece_bytes(cls, tokens: list[str], types: bytes) -> list[bytes]:
+        # one replace and one encode of the whole vocabulary, cut at a separator no piece holds
+        separator = "\x00"
+        if any(separator in piece for piece in tokens):
+            return super().all_piece_bytes(tokens, types)
+        pieces = separator.join(tokens).replace("\u2581", " ").encode("utf-8").split(separator.encode())
+        for index, kind in enumerate(types):
+            if kind == TOKEN_BYTE:
+                pieces[index] = cls.piece_bytes(tokens[index], kind)
+        return pieces
 
     @classmethod
     def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
@@ -577,11 +594,9 @@ class Tokenizer:
         )
         # Added tokens are raw text; everything else is a byte-level string. All of them in one
         # blob (a bytes object per token would cost five times as much for a large vocabulary).
-        pieces = [
-            piece.encode("utf-8") if index in self._special_ids or index in self._user_defined_ids
-            else self._model.piece_bytes(piece, self._types[index])
-            for index, piece in enumerate(self._tokens)
-        ]
+        pieces = self._model.all_piece_bytes(self._tokens, self._types)
+        for index in self._special_ids | self._user_defined_ids:
+            pieces[index] = self._tokens[index].encode("utf-8")
         self._blob = b"".join(pieces)
         self._ends = array("I", accumulate(map(len, pieces)))
         del pieces

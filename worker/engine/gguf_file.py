@@ -113,6 +113,21 @@ class HeaderCursor:
         self.pos += length
         return raw.decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary): one tight loop, no dispatch per item."""
+        data, pos, out = self.data, self.pos, []
+        end = len(data)
+        unpack = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            (length,) = unpack(data, pos)
+            pos += 8
+            if pos + length > end:
+                raise struct.error("string runs past the end of the file")
+            out.append(data[pos:pos + length].decode("utf-8", errors="replace"))
+            pos += length
+        self.pos = pos
+        return out
+
     def value(self, type_id: int) -> Any:
         kind = GGUFValueType(type_id)
         if kind == GGUFValueType.STRING:
@@ -120,6 +135,8 @@ class HeaderCursor:
         if kind == GGUFValueType.ARRAY:
             item_kind = GGUFValueType(self.scalar("<I"))
             count = self.scalar("<Q")
+            if item_kind == GGUFValueType.STRING:
+                return self.strings(count)
             if item_kind in _SCALAR_FORMATS:
                 fmt = _SCALAR_FORMATS[item_kind]
                 size = struct.calcsize(fmt) * count

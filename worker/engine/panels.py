@@ -26,6 +26,10 @@ the file's. Rows past the last output (n_out not a multiple of PANEL) are zeros.
 
 from __future__ import annotations
 
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 from gguf import GGMLQuantizationType
 
@@ -199,13 +203,26 @@ def pack(qtype, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     if out is None:
         out = np.empty((panels, row // size), dtype=block_dtype(qtype))
     flat = out.view(np.uint8).reshape(panels, row // size, -1)
-    for first in range(0, panels, PANELS_PER_STEP):
+
+    def step(first: int) -> None:
         last = min(panels, first + PANELS_PER_STEP)
         chunk = rows[first * PANEL:last * PANEL]
         if chunk.shape[0] < (last - first) * PANEL:  # the last panel's missing outputs are zeros
             chunk = np.concatenate([chunk, np.zeros(((last - first) * PANEL - chunk.shape[0], row), np.uint8)])
         _pack_panels(qtype, chunk, flat[first:last])
+
+    starts = range(0, panels, PANELS_PER_STEP)
+    if len(starts) == 1:
+        step(0)
+    else:  # numpy lets go of the GIL while it copies: the steps share the cores
+        list(_packers().map(step, starts))
     return out
+
+
+@functools.cache
+def _packers() -> ThreadPoolExecutor:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return ThreadPoolExecutor(max_workers=cores, thread_name_prefix="pack")
 
 
 # --- reading rows back ---------------------------------------------------------------------------
