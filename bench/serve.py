@@ -900,14 +900,15 @@ async def run_server_repeat(base_url: str, work: Workload, repeat: int, sampler:
                                                   "reported": nxt.prompt_tokens}
         figs.checks["next turn cached tokens"] = nxt.cached_tokens
         note_load("next turn")
-        longer = work.long_conversation(10_000 * (repeat + 1) + 29, plan.longer_prompt)
-        await settle()
-        (far,), _ = await run_batch(client, base_url, chat_path, [work.chat(model, longer, 4)])
-        longer_tokens = work.prompt_tokens(longer)
-        figs.values["longer cold|ttft"] = _ms(far.ttft)
-        figs.values["longer cold|prefill"] = longer_tokens / far.ttft if longer_tokens and far.ttft else None
-        figs.checks["longer cold prompt tokens"] = {"counted": longer_tokens, "reported": far.prompt_tokens}
-        note_load("longer cold")
+        if plan.longer_prompt:
+            longer = work.long_conversation(10_000 * (repeat + 1) + 29, plan.longer_prompt)
+            await settle()
+            (far,), _ = await run_batch(client, base_url, chat_path, [work.chat(model, longer, 4)])
+            longer_tokens = work.prompt_tokens(longer)
+            figs.values["longer cold|ttft"] = _ms(far.ttft)
+            figs.values["longer cold|prefill"] = longer_tokens / far.ttft if longer_tokens and far.ttft else None
+            figs.checks["longer cold prompt tokens"] = {"counted": longer_tokens, "reported": far.prompt_tokens}
+            note_load("longer cold")
         if plan.longest_prompt and work.context >= plan.longest_prompt + 64:
             longest = work.long_conversation(10_000 * (repeat + 1) + 31, plan.longest_prompt)
             await settle()
@@ -1100,6 +1101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", help="stream counts of the short scenario (default 1,4,8)")
     p.add_argument("--longest", type=int, default=0, metavar="TOKENS",
                    help="also a cold prompt of this many tokens, where the model's context holds it (0: none)")
+    p.add_argument("--longer", type=int, default=None, metavar="TOKENS",
+                   help="tokens of the second cold prompt (default 6500; 1500 quick; 0: none)")
     p.add_argument("--no-claude-code", action="store_true", help="skip the claude-code session")
     p.add_argument("--kv-slots", type=int, default=None, help="lmserve --kv-slots (default: lmserve's own)")
     p.add_argument("--floor", metavar="MODEL",
@@ -1162,6 +1165,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = QUICK if args.quick else FULL
     if args.cc_system:
         plan = dataclasses.replace(plan, cc_system=args.cc_system)
+    if args.longer is not None:
+        plan = dataclasses.replace(plan, longer_prompt=args.longer)
     plan = dataclasses.replace(plan, longest_prompt=args.longest, claude_code=not args.no_claude_code,
                                concurrency=tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency
                                else plan.concurrency)
@@ -1392,7 +1397,7 @@ def kernel_path(has_amx: bool, cmake_args: str) -> str:
 
 def peer_kernels(binaries: Path, model: str, threads: int) -> dict[str, Any]:
     """The peer build's pp512 / tg128 (tok/s) on this machine, measured by its llama-bench, and
-    the reference they are held to."""
+    the reference they are held to (llama.cpp's figures are for the default model only)."""
     out = subprocess.run([str(binaries / "llama-bench"), "-m", model, "-t", str(threads), "-p", "512", "-n", "128",
                           "-r", "3", "-o", "json"], capture_output=True, text=True, check=True, timeout=900)
     figures = {}
@@ -1400,6 +1405,9 @@ def peer_kernels(binaries: Path, model: str, threads: int) -> dict[str, Any]:
         name = f"pp{test['n_prompt']}" if test["n_prompt"] else f"tg{test['n_gen']}"
         figures[name] = float(test["avg_ts"])
     path = kernel_path(cpu_has_amx_int8(), PEER_CMAKE_ARGS)
+    from shared.default_model import default_model_path
+    if Path(model).name != default_model_path().name:
+        return {**figures, "path": path, "references": None}
     return {**figures, "path": path, "references": {k: list(v) for k, v in KERNEL_REFERENCES[path].items()}}
 
 
@@ -1409,6 +1417,9 @@ def peer_kernel_line(kernels: dict[str, Any]) -> str:
     A peer slower than its reference is misbuilt or starved, and the comparison flatters lmserve;
     a faster one (another CPU than the reference's) only makes the comparison harder on lmserve.
     """
+    if kernels.get("references") is None:
+        figures = "; ".join(f"{name} {kernels[name]:.0f}" for name in ("pp512", "tg128"))
+        return f"llama.cpp kernels, {kernels['path']} path, 2 cores: {figures} tok/s (no reference for this file)"
     parts, slow, fast = [], [], []
     for name in ("pp512", "tg128"):
         lo, hi = kernels["references"][name]

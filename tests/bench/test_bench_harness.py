@@ -194,8 +194,45 @@ def test_the_peer_kernels_are_held_to_the_reference_of_their_path() -> None:
     assert "TOO SLOW in pp512:" in slow and "do not trust" in slow
     fast = serve.peer_kernel_line({"pp512": 316.0, "tg128": 137.0, "path": "without AMX", "references": refs})
     assert "faster than the reference in pp512, tg128" in fast
+    # llama.cpp's figures are for the default model: another file is measured, not judged
+    other = serve.peer_kernel_line({"pp512": 569.0, "tg128": 59.0, "path": "without AMX", "references": None})
+    assert "pp512 569; tg128 59" in other and "no reference" in other and "TOO SLOW" not in other
 
 
 def test_the_peer_server_is_read_against_its_own_kernels_when_measured() -> None:
     line = serve.peer_sanity_line(75.5, {"tg128": 137.0})
     assert "75.5 tok/s, 55% of its kernels' tg128 (137 tok/s)" in line
+
+
+def test_the_summary_reads_each_files_ratios_and_the_first_start() -> None:
+    import dataclasses
+
+    plan = dataclasses.replace(FULL, concurrency=(1, 4), longest_prompt=16000)
+    repeats = {LMSERVE: [RepeatFigures({"long cold|prefill": 300.0, "short c=1|decode": 60.0,
+                                        "short c=4|aggregate": 150.0, "memory|pss": 500.0, "start|warm": 3.0,
+                                        "start|cold": 24.0, "longest cold|ttft": 100_000.0})],
+               PEER: [RepeatFigures({"long cold|prefill": 100.0, "short c=1|decode": 50.0,
+                                     "short c=4|aggregate": 100.0, "memory|pss": 600.0, "start|warm": 1.0,
+                                     "longest cold|ttft": 400_000.0})]}
+    rows = serve.build_rows(plan, repeats, {})
+    document = serve.results_json(rows, {"model": "m.gguf", "plan": dataclasses.asdict(plan)}, [LMSERVE, PEER])
+    document = json.loads(json.dumps(document))  # as read back from the file
+    assert serve._medians(document, "long cold|prefill") == (300.0, 100.0, "tok/s")
+    assert serve._medians(document, "short c=4|aggregate") == (150.0, 100.0, "tok/s")
+    assert serve._medians(document, "start|cold") == (24.0, None, "s")
+    table = serve.summary_table([document])
+    assert "| m.gguf | 300 / 100 tok/s = 3.00 |" in table
+    assert "= 0.25" in table and "= 0.83" in table and table.rstrip().endswith("| 24.0 s |")
+
+
+def test_memory_is_read_per_process_and_named_by_its_part() -> None:
+    import os
+
+    rss, pss = serve.process_memory(os.getpid())
+    assert 0 < pss <= rss
+    assert serve.process_memory(2**31 - 7) is None
+    python = "/venv/bin/python"
+    assert serve.process_role([python, "-m", "launcher.supervised", "1", "worker", "--ctx"]) == "worker"
+    assert serve.process_role([python, "-m", "launcher.supervised", "1", "gateway"]) == "gateway"
+    assert serve.process_role([python, "-m", "launcher.cli", "serve", "m.gguf"]) == "launcher"
+    assert serve.process_role(["/build/bin/llama-server", "-m", "m.gguf"]) == "llama-server"

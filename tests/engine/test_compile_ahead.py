@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from worker.engine import kernels
-from worker.engine.compile_ahead import HELPER, describe, leaf_jobs
+from worker.engine.compile_ahead import HELPER, describe, leaf_jobs, shares
 
 Q = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels need AVX2, FMA and F16C")
@@ -22,6 +22,17 @@ def test_the_jobs_say_what_a_file_needs():
     assert describe(["gemm:Q8_0"]) == "Q8_0 matrices"
     assert describe(["attention:f32", "gemm:Q5_0", "gemm:Q8_0", "gemm:Q4_K"]) == \
         "attention over an f32 cache, Q5_0, Q8_0 and Q4_K matrices"
+
+
+def test_the_attention_kernel_has_a_helper_to_itself_and_the_gemms_share_the_rest():
+    jobs = ["attention:f16", "gemm:Q5_0", "gemm:Q8_0", "gemm:Q4_K", "gemm:Q6_K"]
+    assert shares(jobs, 2) == [["attention:f16"], ["gemm:Q5_0", "gemm:Q8_0", "gemm:Q4_K", "gemm:Q6_K"]]
+    assert shares(jobs, 3) == [["attention:f16"], ["gemm:Q5_0", "gemm:Q4_K"], ["gemm:Q8_0", "gemm:Q6_K"]]
+    assert shares(jobs, 1) == [jobs]  # one core: one helper for all
+    # attention compiled already: the GEMMs spread over every core; never more helpers than jobs
+    assert shares(jobs[1:3], 4) == [["gemm:Q5_0"], ["gemm:Q8_0"]]
+    assert shares(["attention:f32"], 2) == [["attention:f32"]]
+    assert sorted(job for share in shares(jobs, 8) for job in share) == sorted(jobs)
 
 
 def test_a_helper_compiles_and_marks_so_a_later_start_asks_for_nothing(tmp_path):

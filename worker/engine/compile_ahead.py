@@ -93,6 +93,15 @@ def leaf_jobs(packed_types, kv_type: str) -> list[str]:
     return [job for job in jobs if not _marker(job).exists()]
 
 
+def shares(jobs: list[str], cores: int) -> list[list[str]]:
+    """The jobs of each helper, one helper a core at most. The attention kernel alone takes
+    about as long as all the GEMMs: it has a helper to itself, and the GEMMs share the others."""
+    helpers = max(1, min(cores, len(jobs)))
+    first, rest = (jobs[:1], jobs[1:]) if helpers > 1 and jobs[0].startswith("attention:") else ([], jobs)
+    others = helpers - len(first)
+    return [share for share in (first, *(rest[i::others] for i in range(others))) if share]
+
+
 @dataclass
 class CompileAhead:
     """Helper processes compiling leaf kernels; ``wait`` before the first forward pass."""
@@ -108,11 +117,8 @@ class CompileAhead:
         if not jobs:
             return ahead
         cores = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-        helpers = max(1, min(cores, len(jobs)))
-        # the attention kernel alone takes about as long as all the GEMMs: it goes first, alone
-        shares = [jobs[i::helpers] for i in range(helpers)]
         env = {**os.environ, "NUMBA_NUM_THREADS": "1"}
-        for share in shares:
+        for share in shares(jobs, cores):
             ahead.processes.append(subprocess.Popen([sys.executable, "-c", HELPER, *share], env=env,
                                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         return ahead

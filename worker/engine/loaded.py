@@ -25,6 +25,10 @@ from worker.engine.model import DecoderModel
 
 DEFAULT_PREFILL_CHUNK = 512
 
+# vocabulary arrays the tokenizer keeps in its own form (scores as float32 bytes, types as
+# bytes): the metadata's lists of Python numbers are 12 MiB for a 262k vocabulary
+_KEPT_BY_TOKENIZER = ("tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+
 
 @dataclass
 class Engine:
@@ -47,6 +51,8 @@ class Engine:
         ahead = CompileAhead.start(gguf.matrix_types(), kv_type) if kernels.available() and not exact else None
         model = load_model(gguf, exact, kv_type)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+        for key in _KEPT_BY_TOKENIZER:
+            gguf.metadata.pop(key, None)
         base = os.path.basename(os.path.normpath(gguf.path))
         name = base if os.path.isdir(gguf.path) else os.path.splitext(base)[0]
         engine = cls(model, tokenizer, name, _fingerprint(gguf, model), gguf.metadata)

@@ -273,15 +273,9 @@ def _add_values_from_cache(values, kv, start, weights, r, first_key, last_key, a
 # No reassociation: rows must add in the orders written (lanes, then a fixed tree), which a
 # reassociating compiler would change; and infinities are real here (a running maximum starts
 # at -inf).
-@njit(parallel=True, fastmath={"nsz", "arcp", "contract", "afn"}, nogil=True, cache=True)
-def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
-    """q [T, H, d]; keys [K, L, d]; values [K, L, dv] with L = first_pos + T; out [T, H*dv].
-    The last axis of each array contiguous. Keys and values are float32, or uint16 holding
-    IEEE halves (an f16 cache).
-
-    Query t (at position first_pos + t) sees key j iff j <= first_pos + t and, when window > 0,
-    first_pos + t - j < window. softcap > 0 replaces a score s by softcap * tanh(s / softcap).
-    """
+@njit(fastmath={"nsz", "arcp", "contract", "afn"}, nogil=True, cache=True)
+def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
+    """One task of ``causal_attention``: a KV head and a block of query positions."""
     n_tokens, n_head, head_dim = q.shape
     n_kv = keys.shape[0]
     n_keys = keys.shape[1]
@@ -290,83 +284,99 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
     d_chunks = (head_dim + WIDTH - 1) // WIDTH
     v_steps = (value_dim + 2 * WIDTH - 1) // (2 * WIDTH)  # the value sums take 2 · WIDTH dims a step
     query_blocks = (n_tokens + QUERY_BLOCK - 1) // QUERY_BLOCK
-    for task in prange(n_kv * query_blocks):
-        kv = task % n_kv
-        # blocks in the order first, last, second, second last, ...: later queries see more
-        # keys, and each thread takes a contiguous run of tasks
-        order = task // n_kv
-        block = order // 2 if order % 2 == 0 else query_blocks - 1 - order // 2
-        t0 = block * QUERY_BLOCK
-        t1 = min(n_tokens, t0 + QUERY_BLOCK)
-        rows = (t1 - t0) * group
-        # a task of few rows (a decode step) reads keys and values where they are, two rows at
-        # a time; more rows share each block widened once into scratch, four at a time
-        direct = rows <= DIRECT_ROWS
-        tile = 2 if direct else TILE
-        padded = rows + (-rows) % tile
-        # row r is token t0 + r // group, head kv * group + r % group; padding repeats the last row
-        position = np.empty(padded, dtype=np.int64)
-        qf = np.empty((padded, WIDTH * d_chunks), dtype=np.float32)
+    kv = task % n_kv
+    # blocks in the order first, last, second, second last, ...: later queries see more
+    # keys, and each thread takes a contiguous run of tasks
+    order = task // n_kv
+    block = order // 2 if order % 2 == 0 else query_blocks - 1 - order // 2
+    t0 = block * QUERY_BLOCK
+    t1 = min(n_tokens, t0 + QUERY_BLOCK)
+    rows = (t1 - t0) * group
+    # a task of few rows (a decode step) reads keys and values where they are, two rows at
+    # a time; more rows share each block widened once into scratch, four at a time
+    direct = rows <= DIRECT_ROWS
+    tile = 2 if direct else TILE
+    padded = rows + (-rows) % tile
+    # row r is token t0 + r // group, head kv * group + r % group; padding repeats the last row
+    position = np.empty(padded, dtype=np.int64)
+    qf = np.empty((padded, WIDTH * d_chunks), dtype=np.float32)
+    for r in range(padded):
+        real = min(r, rows - 1)
+        position[r] = first_pos + t0 + real // group
+        _widen_row(q[t0 + real // group, kv * group + real % group], head_dim, qf, r, d_chunks)
+    kf = np.empty((0 if direct else KEY_BLOCK, WIDTH * d_chunks), dtype=np.float32)
+    vf = np.empty((0 if direct else KEY_BLOCK, 2 * WIDTH * v_steps), dtype=np.float32)
+    scores = np.empty((padded, KEY_BLOCK), dtype=np.float32)
+    lanes = np.empty(16, dtype=np.float32)
+    acc = np.zeros((padded, 2 * WIDTH * v_steps), dtype=np.float32)
+    running_max = np.full(padded, -np.inf, dtype=np.float32)
+    running_sum = np.zeros(padded, dtype=np.float32)
+    lowest = max(0, first_pos + t0 - window + 1) if window > 0 else 0
+    last = first_pos + t1 - 1
+    for start in range(lowest - lowest % KEY_BLOCK, last + 1, KEY_BLOCK):
+        count = min(KEY_BLOCK, n_keys - start)
+        for j in range(0 if direct else KEY_BLOCK):
+            present = j < count
+            _widen_row(keys[kv, start + j] if present else keys[kv, start], head_dim if present else 0, kf, j,
+                       d_chunks)
+            _widen_row(values[kv, start + j] if present else values[kv, start], value_dim if present else 0,
+                       vf, j, 2 * v_steps)
+        # rows are in token order and a span's ends grow with the position: the keys a
+        # tile's rows may see run from its first row's lo to its last row's hi
+        for r in range(0, padded, tile):
+            lo = key_span(start, position[r], window)[0]
+            hi = key_span(start, position[r + tile - 1], window)[1]
+            if lo >= hi:
+                continue
+            if direct:
+                for j in range(lo - lo % 8 - start, hi - start, 8):
+                    _score_pair_from_cache(qf, keys, kv, start, count, r, j, d_chunks, lanes)
+                    for i in range(8):
+                        scores[r, j + i] = lanes[i]
+                        scores[r + 1, j + i] = lanes[8 + i]
+                continue
+            for j in range(lo - lo % 4 - start, hi - start, 4):
+                _score_quad(qf, kf, r, j, d_chunks, lanes)
+                for t in range(TILE):
+                    for i in range(4):
+                        scores[r + t, j + i] = lanes[4 * t + i]
         for r in range(padded):
-            real = min(r, rows - 1)
-            position[r] = first_pos + t0 + real // group
-            _widen_row(q[t0 + real // group, kv * group + real % group], head_dim, qf, r, d_chunks)
-        kf = np.empty((0 if direct else KEY_BLOCK, WIDTH * d_chunks), dtype=np.float32)
-        vf = np.empty((0 if direct else KEY_BLOCK, 2 * WIDTH * v_steps), dtype=np.float32)
-        scores = np.empty((padded, KEY_BLOCK), dtype=np.float32)
-        lanes = np.empty(16, dtype=np.float32)
-        acc = np.zeros((padded, 2 * WIDTH * v_steps), dtype=np.float32)
-        running_max = np.full(padded, -np.inf, dtype=np.float32)
-        running_sum = np.zeros(padded, dtype=np.float32)
-        lowest = max(0, first_pos + t0 - window + 1) if window > 0 else 0
-        last = first_pos + t1 - 1
-        for start in range(lowest - lowest % KEY_BLOCK, last + 1, KEY_BLOCK):
-            count = min(KEY_BLOCK, n_keys - start)
-            for j in range(0 if direct else KEY_BLOCK):
-                present = j < count
-                _widen_row(keys[kv, start + j] if present else keys[kv, start], head_dim if present else 0, kf, j,
-                           d_chunks)
-                _widen_row(values[kv, start + j] if present else values[kv, start], value_dim if present else 0,
-                           vf, j, 2 * v_steps)
-            # rows are in token order and a span's ends grow with the position: the keys a
-            # tile's rows may see run from its first row's lo to its last row's hi
-            for r in range(0, padded, tile):
-                lo = key_span(start, position[r], window)[0]
-                hi = key_span(start, position[r + tile - 1], window)[1]
-                if lo >= hi:
-                    continue
-                if direct:
-                    for j in range(lo - lo % 8 - start, hi - start, 8):
-                        _score_pair_from_cache(qf, keys, kv, start, count, r, j, d_chunks, lanes)
-                        for i in range(8):
-                            scores[r, j + i] = lanes[i]
-                            scores[r + 1, j + i] = lanes[8 + i]
-                    continue
-                for j in range(lo - lo % 4 - start, hi - start, 4):
-                    _score_quad(qf, kf, r, j, d_chunks, lanes)
-                    for t in range(TILE):
-                        for i in range(4):
-                            scores[r + t, j + i] = lanes[4 * t + i]
-            for r in range(padded):
-                lo, hi = key_span(start, position[r], window)
-                if lo < hi:
-                    _softmax_block(scores, r, lo - start, hi - start, scale, softcap, running_max, running_sum, acc)
-                else:  # no key of this block: its weights are 0 for the tiles' value sums
-                    scores[r, :] = 0.0
-            for r in range(0, padded, tile):
-                lo = key_span(start, position[r], window)[0]
-                hi = key_span(start, position[r + tile - 1], window)[1]
-                if lo < hi and direct:
-                    _add_values_from_cache(values, kv, start, scores, r, lo - start, hi - start, acc)
-                elif lo < hi:
-                    for c in range(v_steps):
-                        _add_values(vf, scores, r, lo - start, hi - start, acc, c)
-        for r in range(rows):
-            t = t0 + r // group
-            h = kv * group + r % group
-            inverse = np.float32(1.0) / running_sum[r]
-            for i in range(value_dim):
-                out[t, h * value_dim + i] = acc[r, i] * inverse
+            lo, hi = key_span(start, position[r], window)
+            if lo < hi:
+                _softmax_block(scores, r, lo - start, hi - start, scale, softcap, running_max, running_sum, acc)
+            else:  # no key of this block: its weights are 0 for the tiles' value sums
+                scores[r, :] = 0.0
+        for r in range(0, padded, tile):
+            lo = key_span(start, position[r], window)[0]
+            hi = key_span(start, position[r + tile - 1], window)[1]
+            if lo < hi and direct:
+                _add_values_from_cache(values, kv, start, scores, r, lo - start, hi - start, acc)
+            elif lo < hi:
+                for c in range(v_steps):
+                    _add_values(vf, scores, r, lo - start, hi - start, acc, c)
+    for r in range(rows):
+        t = t0 + r // group
+        h = kv * group + r % group
+        inverse = np.float32(1.0) / running_sum[r]
+        for i in range(value_dim):
+            out[t, h * value_dim + i] = acc[r, i] * inverse
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
+    """q [T, H, d]; keys [K, L, d]; values [K, L, dv] with L = first_pos + T; out [T, H*dv].
+    The last axis of each array contiguous. Keys and values are float32, or uint16 holding
+    IEEE halves (an f16 cache).
+
+    Query t (at position first_pos + t) sees key j iff j <= first_pos + t and, when window > 0,
+    first_pos + t - j < window. softcap > 0 replaces a score s by softcap * tanh(s / softcap).
+    """
+    # the loop only hands out tasks: its body, compiled on its own, keeps numba's parallel
+    # passes off the kernel (a first start compiles it in a quarter of the time)
+    query_blocks = (q.shape[0] + QUERY_BLOCK - 1) // QUERY_BLOCK
+    for task in prange(keys.shape[0] * query_blocks):
+        # (prange counts in uint64: one signature of the task, not two)
+        _attend_task(q, keys, values, first_pos, scale, window, softcap, out, np.int64(task))
     return out
 
 
