@@ -90,3 +90,32 @@ def test_the_warm_up_leaves_no_kernel_team_on_the_calling_thread(tmp_path):
     engine.warm_up()
     assert ran_on, "the warm-up ran no forward pass"
     assert all(thread is not threading.main_thread() and not thread.is_alive() for thread in ran_on)
+
+
+PRODUCTS_PROBE = PROBE.split("engine = Engine.load")[0] + """
+engine = Engine.load(sys.argv[1], kv_type=sys.argv[2])
+engine.model.warm_products()
+before = signatures()
+engine.warm_up()
+print(json.dumps({"before": before, "after": signatures()}))
+"""
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_steps_compiled_while_attention_compiles_have_the_types_of_a_forward(tmp_path, arch):
+    """On a first start the block steps that do not attend compile while the attention kernel
+    compiles in its helper (``DecoderModel.warm_products``): worth it only if the forward passes
+    then find them compiled, with no other signature of the same kernels."""
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_gguf(path, arch, tensor_type="Q8_0")
+    out = subprocess.run([sys.executable, "-c", PRODUCTS_PROBE, str(path), "f16"], cwd=REPO, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    warmed = {name: sigs for name, sigs in seen["before"].items() if sigs}
+    assert {"worker.engine.kernels.fused.attention_inputs",
+            "worker.engine.kernels.fused.attention_output_swiglu"} <= set(warmed)
+    assert "worker.engine.kernels.attention.store_and_attend" not in warmed  # attention waits for its helper
+    grown = {name: sorted(set(seen["after"][name]) - set(sigs)) for name, sigs in warmed.items()
+             if set(seen["after"][name]) - set(sigs)}
+    assert grown == {}, f"the forward passes compiled other signatures of: {grown}"

@@ -123,6 +123,12 @@ class CompileAhead:
                                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         return ahead
 
+    def wait_for_matrices(self) -> None:
+        """Join the helpers that compile no attention kernel (the GEMMs, the sooner done)."""
+        for process in self.processes:
+            if not any(job.startswith("attention:") for job in process.args[3:]):
+                process.wait()
+
     def wait(self) -> float:
         """Join the helpers; returns how long they took since ``start``."""
         for process in self.processes:

@@ -79,15 +79,19 @@ class Engine:
         on the caller would count against the cores while another thread (the worker's engine
         thread) runs the kernels, and libgomp then puts idle threads to sleep between parallel
         regions instead of spinning: a served decode step took three times as long."""
-        if self.compiling is not None and self.compiling.jobs:
-            if on_compile is not None:
-                on_compile(self.compiling.jobs)
-            self.compiling.wait()
+        ahead = self.compiling if self.compiling is not None and self.compiling.jobs else None
+        if ahead is not None and on_compile is not None:
+            on_compile(ahead.jobs)
         self.compiling = None
         failure: list[BaseException] = []
 
         def run() -> None:
             try:
+                if ahead is not None:
+                    # the steps around attention compile here while its kernel compiles there
+                    ahead.wait_for_matrices()
+                    self.model.warm_products()
+                    ahead.wait()
                 first, second = self.new_cache(8), self.new_cache(8)
                 self.model.forward([(first, [0, 1, 2])])
                 self.model.forward([(first, [3]), (second, [0, 1])])

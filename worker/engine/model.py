@@ -485,6 +485,23 @@ class DecoderModel:
                                    options.window, out[start:end], options.softcap)
         return out
 
+    def warm_products(self) -> None:
+        """Run, on one row, the compiled block steps that do not attend (a fused layer's inputs and
+        its output half) and the head: on a first start they compile while the attention kernel
+        still compiles in its helper, which ``forward`` would wait for. Types as ``forward``'s."""
+        hp = self.hp
+        layers = [(i, spec) for i, spec in enumerate(getattr(self, "fused", [])) if spec is not None and spec.swiglu]
+        if not layers:
+            return
+        x = self.embed(np.zeros(1, dtype=np.int64))
+        rope = self.layer_rope_tables(np.arange(1))
+        for i, spec in layers:
+            fused.attention_inputs(x.copy(), *spec.attention, *rope[i], hp.n_head, hp.n_head_kv, hp.head_dim,
+                                   hp.value_dim)
+            attn = np.zeros((1, hp.n_head * hp.value_dim), dtype=np.float32)
+            fused.attention_output_swiglu(x.copy(), attn, *spec.output, *spec.swiglu)
+        self.logits(x)
+
     # --- the forward pass ------------------------------------------------------------------------
 
     def new_cache(self, max_tokens: int) -> KVCache:
