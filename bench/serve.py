@@ -1321,14 +1321,14 @@ def summary_table(documents: list[dict[str, Any]]) -> str:
     for document in documents:
         cells = []
         for key, _ in SUMMARY:
-            ours, theirs, unit = _medians(document, key)
+            ours, theirs, unit = medians(document, key)
             if ours is None:
                 cells.append("—")
             elif theirs:
                 cells.append(f"{_number(ours)} / {_number(theirs)} {unit} = {ours / theirs:.2f}")
             else:
                 cells.append(f"{_number(ours)} {unit}")
-        first, _, _ = _medians(document, "start|cold")
+        first, _, _ = medians(document, "start|cold")
         cells.append(f"{first:.1f} s" if first is not None else "—")
         lines.append(f"| {document['meta'].get('model')} | " + " | ".join(cells) + " |")
     floor = next((d["meta"]["floor"] for d in documents if d["meta"].get("floor")), None)
@@ -1338,7 +1338,7 @@ def summary_table(documents: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _medians(document: dict[str, Any], key: str) -> tuple[float | None, float | None, str]:
+def medians(document: dict[str, Any], key: str) -> tuple[float | None, float | None, str]:
     """(lmserve's median, llama.cpp's median, unit) of a figure, by its row key."""
     plan = Plan(**{**document["meta"]["plan"], "concurrency": tuple(document["meta"]["plan"]["concurrency"])})
     scenario, metric = key.split("|")

@@ -217,9 +217,9 @@ def test_the_summary_reads_each_files_ratios_and_the_first_start() -> None:
     rows = serve.build_rows(plan, repeats, {})
     document = serve.results_json(rows, {"model": "m.gguf", "plan": dataclasses.asdict(plan)}, [LMSERVE, PEER])
     document = json.loads(json.dumps(document))  # as read back from the file
-    assert serve._medians(document, "long cold|prefill") == (300.0, 100.0, "tok/s")
-    assert serve._medians(document, "short c=4|aggregate") == (150.0, 100.0, "tok/s")
-    assert serve._medians(document, "start|cold") == (24.0, None, "s")
+    assert serve.medians(document, "long cold|prefill") == (300.0, 100.0, "tok/s")
+    assert serve.medians(document, "short c=4|aggregate") == (150.0, 100.0, "tok/s")
+    assert serve.medians(document, "start|cold") == (24.0, None, "s")
     table = serve.summary_table([document])
     assert "| m.gguf | 300 / 100 tok/s = 3.00 |" in table
     assert "= 0.25" in table and "= 0.83" in table and table.rstrip().endswith("| 24.0 s |")

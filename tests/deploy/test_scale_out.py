@@ -154,10 +154,14 @@ def test_a_full_worker_is_skipped_and_429_only_when_all_are_full(pool):
     longs = [[{"role": "system", "content": system_prompt(200 + i, 300)},
               {"role": "user", "content": "Write a long story."}] for i in range(4)]
     threads = []
+    # from an idle pool: a reply an earlier test left running would make both workers look
+    # alike to the second request here
+    assert wait_until(lambda: not any(_busy(pool, w, 1) or _busy(pool, w, 0, 1) for w in ids), 60)
     # one long reply on each worker (the second goes to the less loaded one)
     for i in range(2):
         threads.append(_start(_long_stream, pool, longs[i], 0, outcomes[i]))
         assert wait_until(lambda: "worker" in outcomes[i], 60)
+        assert wait_until(lambda: _busy(pool, outcomes[i]["worker"], 1), 30)
     assert {outcomes[0]["worker"], outcomes[1]["worker"]} == set(ids)
     # then one more waits on each (--queue 1): both workers are now full
     for i in (2, 3):
