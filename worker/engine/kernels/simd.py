@@ -454,25 +454,22 @@ def lane_f32(typingctx, a, lane):
     return F32x8(F32x8, lane), codegen
 
 
-def lanewise(build, vector=None):
-    """An intrinsic applying ``build(builder, a, b)`` to two vectors of the type ``vector``
-    (F32x8 unless given), lane by lane."""
-    vector = F32x8 if vector is None else vector
-
+def _lanewise(build):
+    """An intrinsic applying ``build(builder, a, b)`` to two F32x8, lane by lane."""
     @intrinsic
     def operation(typingctx, a, b):
         def codegen(context, builder, sig, args):
             return build(builder, args[0], args[1])
-        return vector(vector, vector), codegen
+        return F32x8(F32x8, F32x8), codegen
     return operation
 
 
-add_f32 = lanewise(lambda builder, a, b: builder.fadd(a, b))
-sub_f32 = lanewise(lambda builder, a, b: builder.fsub(a, b))
-mul_f32 = lanewise(lambda builder, a, b: builder.fmul(a, b))
-div_f32 = lanewise(lambda builder, a, b: builder.fdiv(a, b))
+add_f32 = _lanewise(lambda builder, a, b: builder.fadd(a, b))
+sub_f32 = _lanewise(lambda builder, a, b: builder.fsub(a, b))
+mul_f32 = _lanewise(lambda builder, a, b: builder.fmul(a, b))
+div_f32 = _lanewise(lambda builder, a, b: builder.fdiv(a, b))
 # the larger of a and b (b where either is NaN)
-max_f32 = lanewise(lambda builder, a, b: builder.select(builder.fcmp_ordered(">", a, b), a, b))
+max_f32 = _lanewise(lambda builder, a, b: builder.select(builder.fcmp_ordered(">", a, b), a, b))
 
 
 @intrinsic

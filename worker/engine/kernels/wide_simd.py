@@ -33,7 +33,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from worker.engine.kernels import target_has
-from worker.engine.kernels.simd import F32x8, Vector, address_of, call_intrinsic, lanewise
+from worker.engine.kernels.simd import F32x8, Vector, address_of, call_intrinsic
 
 WIDTH = 16 if target_has("avx512f", "avx512bw") else 8
 PANEL = WIDTH  # outputs in a panel of the GEMM
@@ -229,9 +229,18 @@ def minus_splat(typingctx, a, value):
     return Ints(Ints, value), codegen
 
 
-add_int = lanewise(lambda builder, a, b: builder.add(a, b), Ints)
-mul_int = lanewise(lambda builder, a, b: builder.mul(a, b), Ints)
-or_int = lanewise(lambda builder, a, b: builder.or_(a, b), Ints)
+def _int_lanewise(build):
+    @intrinsic
+    def operation(typingctx, a, b):
+        def codegen(context, builder, sig, args):
+            return build(builder, args[0], args[1])
+        return Ints(Ints, Ints), codegen
+    return operation
+
+
+add_int = _int_lanewise(lambda builder, a, b: builder.add(a, b))
+mul_int = _int_lanewise(lambda builder, a, b: builder.mul(a, b))
+or_int = _int_lanewise(lambda builder, a, b: builder.or_(a, b))
 
 
 @intrinsic
@@ -275,8 +284,17 @@ def times_splat(typingctx, a, value):
     return Floats(Floats, value), codegen
 
 
-mul_float = lanewise(lambda builder, a, b: builder.fmul(a, b), Floats)
-add_float = lanewise(lambda builder, a, b: builder.fadd(a, b), Floats)
+def _float_lanewise(build):
+    @intrinsic
+    def operation(typingctx, a, b):
+        def codegen(context, builder, sig, args):
+            return build(builder, args[0], args[1])
+        return Floats(Floats, Floats), codegen
+    return operation
+
+
+mul_float = _float_lanewise(lambda builder, a, b: builder.fmul(a, b))
+add_float = _float_lanewise(lambda builder, a, b: builder.fadd(a, b))
 
 
 @intrinsic
@@ -378,9 +396,9 @@ def splat_float(typingctx, value):
     return Floats(value), codegen
 
 
-sub_float = lanewise(lambda builder, a, b: builder.fsub(a, b), Floats)
+sub_float = _float_lanewise(lambda builder, a, b: builder.fsub(a, b))
 # the larger of a and b (b where either is NaN)
-max_float = lanewise(lambda builder, a, b: builder.select(builder.fcmp_ordered(">", a, b), a, b), Floats)
+max_float = _float_lanewise(lambda builder, a, b: builder.select(builder.fcmp_ordered(">", a, b), a, b))
 
 
 @intrinsic
