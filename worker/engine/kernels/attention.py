@@ -372,7 +372,7 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
     first_pos + t - j < window. softcap > 0 replaces a score s by softcap * tanh(s / softcap).
     """
     # the loop only hands out tasks: its body, compiled on its own, keeps numba's parallel
-    # passes off the kernel (a first start compiles it in a quarter of the time)
+    # passes off the kernel (a first start compiles it in about half the time)
     query_blocks = (q.shape[0] + QUERY_BLOCK - 1) // QUERY_BLOCK
     for task in prange(keys.shape[0] * query_blocks):
         # (prange counts in uint64: one signature of the task, not two)
