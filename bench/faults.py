@@ -1,9 +1,10 @@
 """The stack under bad input and faults: one table of what went wrong, which should be nothing.
 
-    python -m bench.faults [--cases 2000] [--model MODEL.gguf] [--quick]
+    python -m bench.faults [--cases 2000] [--model MODEL.gguf] [--soak-minutes 30] [--quick]
 
-Starts a stack of real processes on loopback: redis-server, one worker (``--kv-store`` on that
-Redis, ``--batch 4 --queue 4``) and two gateways (``--header-timeout 2``), then runs:
+Starts a stack of real processes on loopback, secured as a deployment is: redis-server with a
+password, one worker (``--kv-store`` on that Redis, ``--batch 4 --queue 4``, a CURVE wire, a
+kvstore secret) and two gateways (``--header-timeout 2``) holding the wire's keys, then runs:
 
 1. ``fuzz``: property-based bodies (hypothesis) for the four POST endpoints, alternating
    gateways: request shapes from docs/API.md with values of every JSON type in every field,
@@ -22,16 +23,31 @@ Redis, ``--batch 4 --queue 4``) and two gateways (``--header-timeout 2``), then 
    by the header timeout while ordinary requests are served.
 5. ``burst``: 200 requests at concurrency 16 against ``--queue 4``: 200s and 429s (with
    Retry-After, in the envelope), nothing else.
+6. ``outsider``: raw ZeroMQ peers on the worker's port, without CURVE and with a key the worker
+   does not allow, say HELLO and send a GENERATE: they must hear nothing.
+7. ``tampering``: on Redis and on a directory store, a prompt's chunks spilled, then one changed
+   as someone who can write there but lacks the secret can (a value rewritten in place, a
+   well-formed chunk of 60000s or of NaNs forged, two chunks swapped; on a directory, a symlink
+   to /dev/zero or a FIFO in its place); the worker restarted and the prompt asked again: the
+   reply must be the one computed from scratch, and the worker must neither grow nor stall.
+8. ``serve kill``: ``lmserve serve --workers 2`` under a steady load, one worker killed: the
+   other serves on, the victim comes back, and the command never stops.
+9. ``soak``: traffic at concurrency 8 over every dialect for ``--soak-minutes``; each process's
+   resident memory, sampled every 30 s, must stay within 5% of where it stood after warm-up.
 
 Columns: tries, 5xx, hangs (no reply within 120 s), replies outside the dialect's envelope,
-streams that ended looking finished though they were cut, and notes. Exit status 1 when any
-count that should be zero is not.
+streams that ended looking finished though they were cut, breaches (an outsider answered, a
+tampered chunk that changed a reply or grew the worker, memory that grew in the soak), and
+notes. Exit status 1 when any count that should be zero is not.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -51,6 +67,7 @@ TIMEOUT = 120.0
 CHAT, RESPONSES, MESSAGES, COUNT = "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"
 ENDPOINTS = (CHAT, RESPONSES, MESSAGES, COUNT)
 NO_END = {"0": -100, "2": -100}  # SmolLM2's end-of-turn ids, for streams that must keep going
+KV_CHUNK = 64  # tokens per spilled chunk: a few hundred-token prompt spills several
 
 
 def free_port() -> int:
@@ -70,20 +87,37 @@ class Stack:
     """redis-server, a worker and two gateways, each a process of its own that can be killed
     and started again on the same port."""
 
+    REDIS_PASSWORD = "faults-redis-password"
+
     def __init__(self, model: str, workdir: Path):
+        from shared.keys import main as lmserve_keys
+
         self.workdir = workdir
         self.redis_port = free_port()
         self.worker_endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.gateway_ports = [free_port(), free_port()]
+        self.keys = workdir / "keys"
+        with contextlib.redirect_stdout(io.StringIO()):  # the table alone goes to stdout
+            lmserve_keys(["--dir", str(self.keys), "worker", "gateway", "stranger", "--kv-secret",
+                          str(self.keys / "kv-secret")])
         py = [sys.executable, "-m", "launcher.cli"]
+        self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.worker_flags = [*py, "worker", model, "--worker", self.worker_endpoint, "--ctx", "2048", "--batch", "4",
+                             "--kv-slots", "4", "--queue", "4", "--kv-chunk", str(KV_CHUNK)]
         self.commands = {
             "redis": ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
-                      "--appendonly", "no", "--dir", str(workdir)],
-            "worker": [*py, "worker", model, "--worker", self.worker_endpoint, "--ctx", "2048", "--batch", "4",
-                       "--kv-slots", "4", "--queue", "4", "--kv-store", f"redis://127.0.0.1:{self.redis_port}/0"],
+                      "--appendonly", "no", "--dir", str(workdir), "--requirepass", self.REDIS_PASSWORD],
+            "worker": [*self.worker_flags, "--kv-store", self.redis_url],
             **{f"gateway{i}": [*py, "gateway", "--worker", self.worker_endpoint, "--port", str(port),
                                "--header-timeout", "2"] for i, port in enumerate(self.gateway_ports)},
         }
+        # secrets go in the environment, as a deployment gives them
+        self.worker_env = {**os.environ, "LMSERVE_WIRE_KEY": str(self.keys / "worker.key_secret"),
+                           "LMSERVE_WIRE_ALLOW": str(self.keys / "gateway.key"),
+                           "LMSERVE_KV_SECRET": str(self.keys / "kv-secret"),
+                           "LMSERVE_KV_STORE_PASSWORD": self.REDIS_PASSWORD}
+        self.gateway_env = {**os.environ, "LMSERVE_WIRE_KEY": str(self.keys / "gateway.key_secret"),
+                            "LMSERVE_WORKER_KEY": str(self.keys / "worker.key")}
         self.procs: dict[str, subprocess.Popen] = {}
         for name in self.commands:
             self.start(name)
@@ -94,7 +128,18 @@ class Stack:
 
     def start(self, name: str) -> None:
         log = open(self.workdir / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(self.commands[name], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        env = self.worker_env if name == "worker" else self.gateway_env if name.startswith("gateway") else None
+        self.procs[name] = subprocess.Popen(self.commands[name], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                            env=env)
+
+    def restart_worker(self, *store_flags: str) -> bool:
+        """kill -9 the worker and start it again (on other kvstore flags, if given): nothing of
+        what it held stays resident."""
+        self.kill("worker")
+        if store_flags:
+            self.commands["worker"] = [*self.worker_flags, *store_flags]
+        self.start("worker")
+        return self.wait_ready()
 
     def kill(self, name: str) -> None:
         self.procs[name].send_signal(signal.SIGKILL)
@@ -220,6 +265,7 @@ class Row:
     hangs: int = 0
     outside_envelope: int = 0
     cut_looking_finished: int = 0
+    breached: int = 0  # an outsider answered, a tampered record changed a reply, memory that grew
     notes: list[str] = field(default_factory=list)
     unavailable_ok: bool = False  # 503 (worker unavailable) is the right answer while one is down
 
@@ -236,7 +282,8 @@ class Row:
 
     @property
     def clean(self) -> bool:
-        return not (self.server_errors or self.hangs or self.outside_envelope or self.cut_looking_finished)
+        return not (self.server_errors or self.hangs or self.outside_envelope or self.cut_looking_finished
+                    or self.breached)
 
 
 # --- 1. fuzz -------------------------------------------------------------------------------------
@@ -491,16 +538,307 @@ def burst(stack: Stack, requests: int = 200, concurrency: int = 16) -> Row:
     return row
 
 
+# --- 6. an outsider on the worker's port --------------------------------------------------------
+
+def wire_outsider(endpoint: str, keys: tuple[bytes, bytes, bytes] | None, wait_ms: int = 2000) -> bool:
+    """Whether a raw DEALER (CURVE with ``keys`` = (public, secret, server), or none) hears
+    anything back for HELLO and a GENERATE."""
+    import msgpack
+    import zmq
+
+    from shared.protocol import PROTOCOL_VERSION, Generate
+    from shared.sampling_params import SamplingParams
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart([b"H", msgpack.packb({"version": PROTOCOL_VERSION, "gateway": "outsider"})])
+        sock.send_multipart(Generate("outsider", [1, 2, 3], SamplingParams(temperature=0.0), 4).frames())
+        return bool(sock.poll(wait_ms))
+    finally:
+        sock.close(0)
+
+
+def outsider(stack: Stack, tries: int = 10) -> Row:
+    import zmq.auth
+
+    row = Row("outsider on the worker port")
+    stranger = zmq.auth.load_certificate(stack.keys / "stranger.key_secret")
+    worker = zmq.auth.load_certificate(stack.keys / "worker.key")[0]
+    for i in range(tries):
+        keys = None if i % 2 == 0 else (*stranger, worker)
+        row.tries += 1
+        row.breached += wire_outsider(stack.worker_endpoint, keys)
+    row.notes.append(f"{tries // 2 + tries % 2} without CURVE, {tries // 2} with a key not allowed: "
+                     f"{tries - row.breached} got nothing")
+    check = send(httpx.Client(), stack.url(0), CHAT, json.dumps(
+        {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}).encode(), False)
+    if check.status != 200:
+        row.notes.append(f"the gateway's own request got {check.status}")
+        row.server_errors += 1
+    return row
+
+
+# --- 7. tampered KV chunks -----------------------------------------------------------------------
+
+TAMPERINGS = {"redis": ("value-in-place", "forged-60000", "forged-nan", "swapped"),
+              "directory": ("value-in-place", "forged-60000", "forged-nan", "swapped", "symlink-dev-zero", "fifo")}
+
+
+def forged(record: tuple[bytes, bytes], fill: float) -> tuple[bytes, bytes]:
+    """A well-formed chunk of a stored record's geometry, every value ``fill``, written without
+    the store secret (what a recomputed checksum once let through)."""
+    import msgpack
+    import numpy as np
+
+    from kvstore.store import KVChunk, SealedStore
+
+    info = msgpack.unpackb(record[1][:-SealedStore.TAG_BYTES])
+    return KVChunk(np.full(info["k"], fill, dtype=info["dtype"]), np.full(info["v"], fill, dtype=info["dtype"])).encode()
+
+
+def tamper(store, keys: list[str], how: str) -> None:
+    """Change the second of a prompt's chunk records (``keys``, in order) as someone who can
+    write to the store but lacks its secret can. ``store``: an unsealed backend."""
+    import numpy as np
+
+    target = keys[1]
+    data, meta = store.get(target)
+    if how == "value-in-place":  # one value rewritten, the record's tag left as it was
+        values = np.frombuffer(data, np.float16).copy()
+        values[100] = 60000
+        store.put(target, values.tobytes(), meta)
+    elif how in ("forged-60000", "forged-nan"):
+        store.put(target, *forged((data, meta), 60000.0 if how == "forged-60000" else float("nan")))
+    elif how == "swapped":  # two genuine records, each under the other's name
+        other = store.get(keys[2])
+        store.put(target, *other)
+        store.put(keys[2], data, meta)
+    elif how in ("symlink-dev-zero", "fifo"):
+        path = store.files(target)[0]
+        path.unlink()
+        if how == "fifo":
+            os.mkfifo(path)
+        else:
+            path.symlink_to("/dev/zero")
+    else:
+        raise ValueError(how)
+
+
+def worker_fingerprint(stack: Stack) -> str:
+    """The model fingerprint the worker's card names (what its chunk keys start from)."""
+    import asyncio
+
+    import zmq.auth
+
+    from gateway.worker_client import WorkerClient
+    from shared.wire_security import ClientKeys
+
+    public, secret = zmq.auth.load_certificate(stack.keys / "gateway.key_secret")
+    wire = ClientKeys(public, secret, zmq.auth.load_certificate(stack.keys / "worker.key")[0])
+
+    async def ask() -> str:
+        client = WorkerClient(stack.worker_endpoint, wire=wire)
+        await client.start()
+        try:
+            return (await client.wait_ready(60)).fingerprint
+        finally:
+            await client.close()
+    return asyncio.run(ask())
+
+
+def tampering(stack: Stack, backend: str) -> Row:
+    """Per way of tampering: a greedy reply to a fresh prompt, its chunks spilled, the second one
+    tampered, the worker killed and started again (nothing resident), the same prompt asked
+    again: the reply must be the same, and the worker must neither grow nor stall."""
+    import random
+
+    from kvstore.chunks import chunk_keys
+    from kvstore.store import DirectoryStore, RedisStore
+
+    row = Row(f"tampered KV chunks ({backend})")
+    if backend == "redis":
+        store = RedisStore(stack.redis_url, password=Stack.REDIS_PASSWORD)
+        flags: tuple[str, ...] = ("--kv-store", stack.redis_url)
+    else:
+        store = DirectoryStore(stack.workdir / "kv", max_bytes=1 << 40)
+        flags = ("--kv-cache-dir", str(stack.workdir / "kv"))
+    if not stack.restart_worker(*flags):
+        row.notes.append("the worker did not start on this store")
+        row.server_errors += 1
+        return row
+    fingerprint = worker_fingerprint(stack)
+    client = httpx.Client()
+    grown = []
+    for how in TAMPERINGS[backend]:
+        ids = random.Random(f"{backend} {how}").choices(range(100, 40000), k=300)  # four chunks and some
+        keys = chunk_keys(fingerprint, ids, KV_CHUNK)
+        body = json.dumps({"model": "m", "prompt": ids, "max_tokens": 16, "temperature": 0}).encode()
+        first = client.post(stack.url(0) + "/v1/completions", content=body, timeout=TIMEOUT,
+                            headers={"content-type": "application/json"})
+        deadline = time.monotonic() + 30
+        while store.present(keys) < len(keys) and time.monotonic() < deadline:
+            time.sleep(0.2)  # a background thread writes the chunks
+        if first.status_code != 200 or store.present(keys) < len(keys):
+            row.notes.append(f"{how}: set-up failed ({first.status_code}, {store.present(keys)} chunks)")
+            row.server_errors += 1
+            continue
+        tamper(store, keys, how)
+        stack.restart_worker()
+        rss_before = rss_mib(stack.procs["worker"].pid)
+        row.tries += 1
+        try:
+            again = client.post(stack.url(0) + "/v1/completions", content=body, timeout=TIMEOUT,
+                                headers={"content-type": "application/json"})
+        except httpx.TimeoutException:
+            row.hangs += 1
+            continue
+        grown.append(rss_mib(stack.procs["worker"].pid) - rss_before)
+        if again.status_code != 200:
+            row.server_errors += again.status_code >= 500
+            row.notes.append(f"{how}: {again.status_code}")
+        elif again.json()["choices"][0]["text"] != first.json()["choices"][0]["text"]:
+            row.breached += 1
+            row.notes.append(f"{how} changed the reply")
+    if grown and max(grown) > 64:
+        row.breached += 1
+        row.notes.append(f"the worker grew by {max(grown):.0f} MiB reading a tampered chunk")
+    if row.clean:
+        row.notes.insert(0, f"{', '.join(TAMPERINGS[backend])}: each reply as computed from scratch after a "
+                            f"restart; the worker grew at most {max(grown, default=0):.0f} MiB reading them")
+    stack.restart_worker("--kv-store", stack.redis_url)
+    return row
+
+
+# --- 8. a killed worker under lmserve serve --workers 2 --------------------------------------------
+
+def serve_kill(model: str, workdir: Path, concurrency: int = 4) -> Row:
+    """``lmserve serve --workers 2`` under a steady load; one worker is killed: the other serves
+    on, the supervisor starts the victim again, and the command itself never stops."""
+    import psutil
+
+    row = Row("kill -9 one of 2 workers (lmserve serve)", unavailable_ok=True)
+    port = free_port()
+    out, err = open(workdir / "serve.out", "wb"), open(workdir / "serve.err", "wb")
+    serve = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", model, "--workers", "2", "--port",
+                              str(port), "--ctx", "2048"], cwd=REPO, stdout=out, stderr=err)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while b"ready on" not in (workdir / "serve.out").read_bytes():
+            if serve.poll() is not None or time.monotonic() > deadline:
+                row.notes.append("lmserve serve did not get ready")
+                row.server_errors += 1
+                return row
+            time.sleep(0.3)
+        statuses: dict[int | None, int] = {}
+        stop = threading.Event()
+        client = httpx.Client(limits=httpx.Limits(max_connections=concurrency * 2))
+
+        def load() -> None:
+            while not stop.is_set():
+                outcome = send(client, url, CHAT, json.dumps({"model": "m", "max_tokens": 8, "messages": [
+                    {"role": "user", "content": "Say hello."}]}).encode(), False)
+                row.count(outcome)
+                statuses[outcome.status] = statuses.get(outcome.status, 0) + 1
+
+        threads = [threading.Thread(target=load, daemon=True) for _ in range(concurrency)]
+        for thread in threads:
+            thread.start()
+        time.sleep(5)
+        workers = [c for c in psutil.Process(serve.pid).children(recursive=True) if "worker" in c.cmdline()[3:5]]
+        victim = min(workers, key=lambda c: c.pid)
+        killed_at = time.monotonic()
+        victim.kill()
+        back = None
+        while time.monotonic() - killed_at < 120:
+            if b"is back" in (workdir / "serve.err").read_bytes():
+                back = time.monotonic() - killed_at
+                break
+            time.sleep(0.1)
+        time.sleep(5)  # both serve again
+        stop.set()
+        for thread in threads:
+            thread.join(TIMEOUT + 10)
+        alive = serve.poll() is None
+        row.notes.append(", ".join(f"{n}x {s}" for s, n in sorted(statuses.items(), key=str)))
+        row.notes.append(f"the victim back in {back:.1f} s" if back is not None else "the victim did not come back")
+        row.notes.append("lmserve serve ran throughout" if alive else "lmserve serve stopped")
+        if back is None or not alive:
+            row.server_errors += 1
+        return row
+    finally:
+        serve.send_signal(signal.SIGINT)
+        try:
+            serve.wait(60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+        out.close()
+        err.close()
+
+
+# --- 9. a soak -----------------------------------------------------------------------------------
+
+def soak(stack: Stack, minutes: float, concurrency: int = 8, sample_every: float = 30.0) -> Row:
+    """Steady traffic over every dialect, streamed and not, for ``minutes`` (a client told 429
+    waits a second, as the SDKs back off); every process's resident memory sampled: after the
+    first tenth (warm-up), it must stay within 5%."""
+    row = Row(f"{minutes:g}-minute soak at concurrency {concurrency}", unavailable_ok=False)
+    names = ["worker", "gateway0", "gateway1", "redis"]
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    statuses: dict[int | None, int] = {}
+    stop = threading.Event()
+    client = httpx.Client(limits=httpx.Limits(max_connections=concurrency * 2))
+
+    def load(n: int) -> None:
+        i = n
+        while not stop.is_set():
+            path = (CHAT, RESPONSES, MESSAGES)[i % 3]
+            body = json.loads(stream_body(path, tokens=32))
+            body["stream"] = i % 2 == 0
+            outcome = send(client, stack.url(i % 2), path, json.dumps(body).encode(), body["stream"])
+            row.count(outcome)
+            statuses[outcome.status] = statuses.get(outcome.status, 0) + 1
+            if outcome.status == 429:  # a full worker: back off as the SDKs do, then try again
+                time.sleep(1.0)
+            i += concurrency
+
+    threads = [threading.Thread(target=load, args=(n,), daemon=True) for n in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    ends = time.monotonic() + minutes * 60
+    while time.monotonic() < ends:
+        for name in names:
+            samples[name].append(rss_mib(stack.procs[name].pid))
+        time.sleep(min(sample_every, max(0.0, ends - time.monotonic())))
+    stop.set()
+    for thread in threads:
+        thread.join(TIMEOUT + 10)
+    settled = max(1, len(samples["worker"]) // 10)
+    growth = []
+    for name in names:
+        base, peak = samples[name][settled], max(samples[name][settled:])
+        growth.append(f"{name} {base:.0f}->{samples[name][-1]:.0f} MiB (peak {peak:.0f})")
+        if peak > base * 1.05:
+            row.breached += 1
+    row.notes.append(", ".join(f"{n}x {s}" for s, n in sorted(statuses.items(), key=str)))
+    row.notes.append("; ".join(growth))
+    return row
+
+
 # --- the table -----------------------------------------------------------------------------------
 
-COLUMNS = ("scenario", "tries", "5xx", "hangs", "outside envelope", "cut, looked finished", "notes")
+COLUMNS = ("scenario", "tries", "5xx", "hangs", "outside envelope", "cut, looked finished", "breached", "notes")
 
 
 def table(rows: list[Row]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
         cells = [row.scenario, row.tries, row.server_errors, row.hangs, row.outside_envelope,
-                 row.cut_looking_finished, "; ".join(row.notes)]
+                 row.cut_looking_finished, row.breached, "; ".join(row.notes)]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -511,7 +849,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="GGUF to serve (default: the default model)")
     parser.add_argument("--cases", type=int, default=2000, help="fuzzed requests (default 2000)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="200 fuzz cases, a smoke run")
+    parser.add_argument("--quick", action="store_true", help="200 fuzz cases and a 1-minute soak, a smoke run")
+    parser.add_argument("--soak-minutes", type=float, default=30.0, help="length of the soak (default 30)")
     args = parser.parse_args(argv)
     if args.model is None:
         sys.path.insert(0, str(REPO))
@@ -528,7 +867,12 @@ def main(argv: list[str] | None = None) -> int:
                               ("kill redis", lambda: kill_scenario(stack, "redis")),
                               ("big body", lambda: big_body(stack)),
                               ("slowloris", lambda: slowloris(stack)),
-                              ("burst", lambda: burst(stack))):
+                              ("burst", lambda: burst(stack)),
+                              ("outsider", lambda: outsider(stack)),
+                              ("tampering redis", lambda: tampering(stack, "redis")),
+                              ("tampering directory", lambda: tampering(stack, "directory")),
+                              ("serve kill", lambda: serve_kill(args.model, Path(tmp))),
+                              ("soak", lambda: soak(stack, 1.0 if args.quick else args.soak_minutes))):
                 started = time.monotonic()
                 rows.append(run())
                 print(f"{name}: done in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)

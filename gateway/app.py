@@ -26,7 +26,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from gateway import access_log, metrics, openapi, sse
 from gateway.access_log import AccessLogMiddleware
 from gateway.dialects import anthropic_messages, openai_chat, openai_completions, openai_responses
-from gateway.edge import EdgeMiddleware, EdgeSettings
+from gateway.edge import KEY_HELD, TENANT, EdgeMiddleware, EdgeSettings
 from gateway.errors import dialect_for_path, error_response
 from gateway.generation import Completion, generate, prepare
 from gateway.neutral import Event, NeutralRequest, Ping, Started
@@ -41,6 +41,7 @@ from shared.errors import (
     WorkerUnavailableError,
 )
 from shared.protocol import DEFAULT_ENDPOINT
+from shared.wire_security import ClientKeys
 
 log = logging.getLogger("lmserve.gateway")
 
@@ -57,6 +58,7 @@ class GatewaySettings:
     max_buffered: int = 4096  # unread replies per request before a slow reader is cut off
     drain_timeout: float = 30.0  # on shutdown, seconds in-flight replies get before they are cut
     docs: bool = True  # serve /openapi.json and /docs
+    wire: ClientKeys | None = None  # CURVE keys of the wire to the workers (None: in the clear)
 
 
 class Gateway:
@@ -66,7 +68,7 @@ class Gateway:
         self.settings = settings
         self.workers = WorkerPool(settings.worker, settings.heartbeat_interval, settings.heartbeat_timeout,
                                   max_buffered=settings.max_buffered, policy=settings.route,
-                                  queue_tokens=settings.route_queue_tokens)
+                                  queue_tokens=settings.route_queue_tokens, wire=settings.wire)
         self._view: ModelView | None = None
         self.cut: asyncio.Event | None = None  # set when the drain timeout runs out (lifespan)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -105,6 +107,7 @@ class Gateway:
         # JSON, the dialect's parse, the template and the tokenizer take a large body seconds of
         # CPU: in a thread, so this gateway's other streams, heartbeats and /health go on.
         neutral, prepared = await asyncio.to_thread(_read_request, raw, dialect, view, request.headers)
+        neutral.tenant = getattr(request.state, TENANT, "")
         events = access_log.observe(request.scope, neutral.stream,
                                     generate(view, self.workers, neutral, prepared, self.settings.ping_interval,
                                              self.cut))
@@ -119,9 +122,11 @@ class Gateway:
             return response
         completion = Completion()
         completion.add(first)
-        async with _abort_on_disconnect(request), aclosing(events):
+        async with _abort_on_disconnect(request) as hangup, aclosing(events):
             async for event in events:
                 completion.add(event)
+        if hangup.client_gone:  # nobody reads this; the access log has its 499 line
+            return Response(status_code=access_log.CLIENT_GONE)
         finish = completion.finish
         if finish is None or finish.reason == "error":
             raise LmserveError(finish.error if finish and finish.error else "generation failed")
@@ -157,22 +162,37 @@ async def _stream_body(dialect: ModuleType, neutral, view: ModelView, first: Eve
             yield chunk
 
 
+@dataclass
+class Hangup:
+    """Whether the client of a whole (non-streamed) reply hung up before it was ready."""
+
+    client_gone: bool = False
+
+
 @asynccontextmanager
 async def _abort_on_disconnect(request: Request):
-    """Cancel the surrounding work if the client hangs up before a whole answer is ready."""
+    """Cancel the surrounding work if the client hangs up before a whole answer is ready. That
+    cancellation ends here, with ``client_gone`` set: a client leaving is an access-log line
+    (499), not an error with a CancelledError traceback."""
     task = asyncio.current_task()
     assert task is not None
+    hangup = Hangup()
 
     async def watch() -> None:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
+                hangup.client_gone = True
                 task.cancel()
                 return
 
     watcher = asyncio.create_task(watch())
     try:
-        yield
+        yield hangup
+    except asyncio.CancelledError:
+        # ours alone is taken back; a cancellation from elsewhere too (shutdown) goes on
+        if not hangup.client_gone or task.uncancel() > 0:
+            raise
     finally:
         watcher.cancel()
 
@@ -289,9 +309,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return Response(body, media_type=content_type)
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         workers = gateway.workers
         card = workers.card
+        if not getattr(request.state, KEY_HELD, True):  # without the API key: ready or not, nothing more
+            return JSONResponse({"status": "loading" if card is None else "ok"},
+                                status_code=503 if card is None else 200)
         if card is None:
             return JSONResponse({"status": "loading", "error": workers.version_error,
                                  "workers": workers.describe()}, status_code=503)

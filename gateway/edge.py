@@ -5,6 +5,7 @@ Each refusal is answered in the envelope of the dialect the path belongs to.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from dataclasses import dataclass, field
 
@@ -21,11 +22,21 @@ from shared.errors import (
 
 # probes, the playground page and the API's description: no key needed (the page asks for one)
 OPEN_PATHS = {"/health", "/", "/api/hello", "/openapi.json", "/docs"}
+# the request state's flag telling an open path whether its caller holds the API key (or none is set)
+KEY_HELD = "api_key_held"
+# the request state's name for the caller's tenant: whose cached prefixes its request may reuse
+TENANT = "tenant"
 SINGLE_HEADERS = {"host", "authorization", "x-api-key"}  # a guard reads them; twice is refused
+def tenant_of(key: bytes) -> str:
+    """A key's tenant name: a digest, so the key itself travels nowhere."""
+    return hashlib.blake2b(key, digest_size=8, person=b"lmserve tenant").hexdigest()
+
+
 @dataclass
 class EdgeSettings:
     bind_host: str = "127.0.0.1"
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)  # none: open to all
+    share_cache: bool = False  # every key's requests reuse each other's cached prefixes
     allow_hosts: list[str] = field(default_factory=list)
     conns: int = 32
     max_body: int = 32 * 1024 * 1024
@@ -43,7 +54,11 @@ class EdgeMiddleware:
         self.app = app
         self.settings = settings
         self.allowed = settings.allowed_hosts()
-        self.key = settings.api_key.encode() if settings.api_key else None
+        self.keys = [key.encode() for key in settings.api_keys]
+        # With several keys, each is a tenant: its requests reuse only its own cached prefixes (a
+        # namespace the worker keeps apart), so no tenant reads, or times, another's prompts.
+        separate = len(self.keys) > 1 and not settings.share_cache
+        self.tenants = [tenant_of(key) if separate else "" for key in self.keys]
         self.active = 0
 
     async def __call__(self, scope, receive, send) -> None:
@@ -63,8 +78,12 @@ class EdgeMiddleware:
             if repeated:  # which one would count? Neither: a guard must not read only the last
                 raise InvalidRequestError(f"the request repeats the {', '.join(sorted(repeated))} header; send it once")
             self._check_host(headers)
+            held = self._held_key(headers)
             if path not in OPEN_PATHS:
-                self._check_key(headers)
+                self._check_key(headers, held)
+            state = scope.setdefault("state", {})
+            state[KEY_HELD] = not self.keys or held is not None  # what an open path tells depends on it
+            state[TENANT] = self.tenants[held] if held is not None else ""
             length = headers.get("content-length")
             if length and length.isdigit() and int(length) > self.settings.max_body:
                 raise PayloadTooLargeError(self._too_large(int(length)))
@@ -91,18 +110,28 @@ class EdgeMiddleware:
                 f"Host header {headers.get('host', '')!r} is not allowed here (DNS-rebinding guard); "
                 f"use one of {', '.join(sorted(self.allowed))} or start the server with --allow-host")
 
-    def _check_key(self, headers: dict[str, str]) -> None:
-        if self.key is None:
-            return
+    @staticmethod
+    def _offered(headers: dict[str, str]) -> list[str]:
         offered = [headers.get("x-api-key", "")]
         authorization = headers.get("authorization", "")
         if authorization.lower().startswith("bearer "):
             offered.append(authorization[7:].strip())
-        offered = [key for key in offered if key]
-        if not offered:
-            raise AuthenticationError("an API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
+        return [key for key in offered if key]
+
+    def _held_key(self, headers: dict[str, str]) -> int | None:
+        """Which of the keys the request offers, if any."""
         # either header may carry it (SDKs send one, some clients both, one of them a placeholder)
-        if not any(hmac.compare_digest(key.encode(), self.key) for key in offered):
+        offered = [key.encode() for key in self._offered(headers)]
+        # every comparison is made, each in constant time: which key matched is not timed either
+        hits = [sum(hmac.compare_digest(candidate, key) for candidate in offered) for key in self.keys]
+        return next((index for index, hit in enumerate(hits) if hit), None)
+
+    def _check_key(self, headers: dict[str, str], held: int | None) -> None:
+        if not self.keys:
+            return
+        if not self._offered(headers):
+            raise AuthenticationError("an API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
+        if held is None:
             raise AuthenticationError("the API key is not valid")
 
     def _capped(self, receive):

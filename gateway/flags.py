@@ -17,7 +17,12 @@ DEFAULT_QUEUE_TOKENS = 1024
 def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=8080, help="port")
-    p.add_argument("--api-key", default=None, help="require Authorization: Bearer K (or x-api-key: K)")
+    p.add_argument("--api-key", action=CommaList, default=[], metavar="KEY,…",
+                   help="require Authorization: Bearer KEY (or x-api-key: KEY), one of these keys (comma-separated, "
+                        "repeatable); with several, each key is a tenant whose cached prompts no other key reuses")
+    p.add_argument("--share-cache", action="store_true",
+                   help="with several --api-key keys: let every key reuse every other's cached prompts (faster "
+                        "when the tenants trust each other: a cache hit can tell one what another sent)")
     p.add_argument("--allow-host", action=CommaList, default=[],
                    help="extra Host header values to accept (comma-separated, repeatable); "
                         "arms the Host guard on non-loopback binds")
@@ -51,5 +56,11 @@ def build_parser() -> EnvParser:
                    help="ZeroMQ endpoint(s) of the worker(s), comma-separated (tcp://host:port or ipc://path); "
                         "dns+tcp://NAME:PORT stands for every address NAME resolves to, looked up again every "
                         "few seconds (a Kubernetes headless Service, a scaled compose service)")
+    p.add_argument("--wire-key", default=None, metavar="FILE",
+                   help="this gateway's CURVE secret key (a .key_secret file from lmserve keys, or the key's Z85 "
+                        "text), for workers started with --wire-key; needs --worker-key")
+    p.add_argument("--worker-key", default=None, metavar="FILE",
+                   help="the workers' CURVE public key (their .key file, or its Z85 text): the wire is encrypted "
+                        "and talks only to a worker holding the matching secret key")
     add_gateway_flags(p)
     return p

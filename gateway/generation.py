@@ -154,7 +154,7 @@ async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest
                               grammar=Grammar(**grammar) if grammar is not None else None,
                               grammar_after_reasoning=grammar is not None and after_reasoning,
                               cache_hint=request.cache_hint, stop_ids=[] if request.ignore_eos else None,
-                              cartridge_ids=list(request.cartridges),
+                              cartridge_ids=list(request.cartridges), namespace=request.tenant,
                               **(_retrieval(view, request, prompt) if view.card.capabilities.fleet else {}),
                               prompt_logprobs=-1 if request.prompt_logprobs is None else request.prompt_logprobs)
     tokenizer = view.tokenizer

@@ -14,7 +14,25 @@ from gateway.edge import EdgeSettings
 from gateway.flags import build_parser
 from gateway.http_protocol import edge_protocol
 from shared import log_format
+from shared.errors import LmserveError
+from shared.keys import public_keys, secret_key
 from shared.memory import fix_mmap_threshold
+from shared.wire_security import ClientKeys, is_loopback_endpoint
+
+
+def wire_keys(args) -> ClientKeys | None:
+    """The CURVE keys --wire-key and --worker-key name (both or neither)."""
+    if not args.wire_key and not args.worker_key:
+        return None
+    if not (args.wire_key and args.worker_key):
+        raise LmserveError("--wire-key and --worker-key go together: the gateway's own secret key, and the "
+                           "workers' public key")
+    public, secret = secret_key(args.wire_key, "--wire-key")
+    servers = public_keys([args.worker_key], "--worker-key")
+    if len(servers) != 1:
+        raise LmserveError(f"--worker-key {args.worker_key} holds {len(servers)} public keys; give the one key "
+                           "all the workers share")
+    return ClientKeys(public, secret, servers.pop())
 
 
 def settings_from(args) -> GatewaySettings:
@@ -22,8 +40,9 @@ def settings_from(args) -> GatewaySettings:
     return GatewaySettings(
         worker=args.worker, route=args.route, route_queue_tokens=args.route_queue_tokens,
         ping_interval=args.ping_interval, max_buffered=args.max_buffered,
-        drain_timeout=args.drain_timeout, docs=not args.no_docs,
-        edge=EdgeSettings(bind_host=args.host, api_key=args.api_key, allow_hosts=list(allow),
+        drain_timeout=args.drain_timeout, docs=not args.no_docs, wire=wire_keys(args),
+        edge=EdgeSettings(bind_host=args.host, api_keys=list(args.api_key), share_cache=args.share_cache,
+                          allow_hosts=list(allow),
                           conns=args.conns, max_body=args.max_body))
 
 
@@ -61,7 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--conns, --max-body and --header-timeout must be positive")
     log_format.configure(args.log_format)
     fix_mmap_threshold()
-    app = create_app(settings_from(args))
+    try:
+        settings = settings_from(args)
+    except LmserveError as exc:
+        print(f"lmserve gateway: {exc.message}", file=sys.stderr)
+        return 2
+    if settings.wire is None and not is_loopback_endpoint(args.worker):
+        logging.getLogger("lmserve.gateway").warning(
+            "the wire to %s is in the clear (no --wire-key/--worker-key): anyone on that network reads it",
+            args.worker)
+    app = create_app(settings)
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:

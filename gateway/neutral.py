@@ -37,6 +37,7 @@ class NeutralRequest:
     suffix: str | None = None
     ignore_eos: bool = False  # generate past end-of-turn tokens, up to max_tokens (benchmark clients)
     cache_hint: str | None = None  # session id for cache affinity
+    tenant: str = ""  # whose cached prefixes it may reuse (gateway.edge: one per API key when there are several)
     # this server's extension: the KV prefixes (cartridges, by name) to serve it behind; empty:
     # the worker's default (--cartridge), if any
     cartridges: list[str] = field(default_factory=list)

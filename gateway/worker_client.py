@@ -47,6 +47,7 @@ from shared.protocol import (
     decode,
     version_mismatch_message,
 )
+from shared.wire_security import ClientKeys, secure_client
 
 log = logging.getLogger("lmserve.gateway")
 
@@ -61,8 +62,9 @@ class ProtocolVersionError(LmserveError):
 class WorkerClient:
     def __init__(self, endpoint: str, heartbeat_interval: float = HEARTBEAT_INTERVAL,
                  heartbeat_timeout: float = HEARTBEAT_TIMEOUT, name: str | None = None,
-                 max_buffered: int = 4096):
+                 max_buffered: int = 4096, wire: ClientKeys | None = None):
         self.endpoint = endpoint
+        self.wire = wire  # CURVE keys: the wire encrypted, to a worker holding the expected key
         # Replies a request may hold unread before its reader is deemed hopelessly behind and
         # the request is cut off; the worker never waits for a slow reader.
         self.max_buffered = max_buffered
@@ -114,6 +116,8 @@ class WorkerClient:
 
     async def start(self) -> None:
         sock = self._context.socket(zmq.DEALER)
+        if self.wire is not None:
+            secure_client(sock, self.wire)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)

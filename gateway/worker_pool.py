@@ -56,6 +56,7 @@ from gateway.worker_client import WorkerClient
 from shared.errors import BusyError, WorkerUnavailableError
 from shared.prefix_digest import ROUTE_BLOCK, held_prefix, prefix_digests
 from shared.protocol import DEFAULT_ENDPOINT, Accepted, Finished, FinishReason, Generate, ModelCard, Tokens
+from shared.wire_security import ClientKeys
 
 log = logging.getLogger("lmserve.gateway")
 
@@ -188,7 +189,8 @@ class QueueCost:
 
 class WorkerPool:
     def __init__(self, spec: str, heartbeat_interval: float, heartbeat_timeout: float, *,
-                 max_buffered: int = 4096, policy: str = "prefix", queue_tokens: int = 0):
+                 max_buffered: int = 4096, policy: str = "prefix", queue_tokens: int = 0,
+                 wire: ClientKeys | None = None):
         if policy not in ROUTE_POLICIES:
             raise ValueError(f"unknown routing policy {policy!r} (one of {', '.join(ROUTE_POLICIES)})")
         self.specs = parse_endpoints(spec)
@@ -197,6 +199,7 @@ class WorkerPool:
         self.conversations = Conversations()
         self._client_args = (heartbeat_interval, heartbeat_timeout)
         self._max_buffered = max_buffered
+        self._wire = wire
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.clients: dict[str, WorkerClient] = {}  # endpoint -> client, in the order they were found
         self.retired: list[WorkerClient] = []  # gone from DNS, closed once their requests end
@@ -230,7 +233,8 @@ class WorkerPool:
         self.retired.clear()
 
     async def _add(self, endpoint: str) -> None:
-        client = WorkerClient(endpoint, *self._client_args, name=self.name, max_buffered=self._max_buffered)
+        client = WorkerClient(endpoint, *self._client_args, name=self.name, max_buffered=self._max_buffered,
+                              wire=self._wire)
         self.clients[endpoint] = client
         await client.start()
 

@@ -1,9 +1,16 @@
 """The kvstore: spilled KV chunks kept outside the worker, in Redis or in a directory.
 
 Both backends keep two records per chunk: the data, then a small metadata record written
-after it. A chunk counts as present only when its metadata exists; a read that finds metadata
-without data (evicted, half-written) deletes the metadata and reports a miss. Values carry
-their shapes, dtype and a checksum, checked on every read.
+after it, which leads with the data's length. A chunk counts as present only when its metadata
+exists; a read that finds metadata without data of that length (evicted, half-written, replaced)
+deletes the metadata and reports a miss. A backend never reads more than the metadata states, nor
+a record above its limit.
+
+Nothing read back is trusted. ``SealedStore`` wraps a backend: every record carries a BLAKE2b
+tag keyed by the store secret the workers share, over the record's name, metadata and data, so
+a party that can write to Redis or to the directory can neither forge a record nor move one to
+another name; a record whose tag fails is deleted and is a miss. Decoded values are checked
+finite and within range besides.
 
 Everything here is a cache: a backend that fails (Redis down or full, a disk error, a
 corrupt file) logs the problem and answers "miss"; callers never see an exception.
@@ -11,11 +18,15 @@ corrupt file) logs the problem and answers "miss"; callers never see an exceptio
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
+import stat
+import struct
 import threading
 import time
-import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +35,19 @@ import msgpack
 import numpy as np
 
 log = logging.getLogger("lmserve.kvstore")
+
+# No key or value a model writes comes near this (SmolLM2-135M's largest is 24): a restored value
+# beyond it was not written by a worker. Infinities and NaNs are refused the same way.
+VALUE_LIMIT = 32768.0
+META_LIMIT = 1 << 20  # bytes of a metadata record, ours are tens
+LENGTH = struct.Struct("<Q")  # the data's length, leading every stored metadata record
+
+
+def check_values(arrays: list[np.ndarray], what: str) -> None:
+    """ValueError unless every value is finite and within ``VALUE_LIMIT``."""
+    for array in arrays:
+        if array.size and not np.all(np.abs(array) <= VALUE_LIMIT):  # NaN compares false
+            raise ValueError(f"{what} holds values that are not finite or beyond ±{VALUE_LIMIT:g}")
 
 
 @dataclass(frozen=True)
@@ -37,23 +61,25 @@ class KVChunk:
         values = np.ascontiguousarray(self.values, dtype=keys.dtype)
         data = keys.tobytes() + values.tobytes()
         meta = msgpack.packb({"k": list(keys.shape), "v": list(values.shape), "dtype": keys.dtype.name,
-                              "bytes": len(data), "crc": zlib.crc32(data)})
+                              "bytes": len(data)})
         return data, meta
 
     @classmethod
     def decode(cls, data: bytes, meta: bytes, k_shape: tuple[int, ...], v_shape: tuple[int, ...],
                dtype: str) -> "KVChunk":
-        """Rebuild a chunk, insisting on the geometry and type the caller expects; ValueError if not."""
+        """Rebuild a chunk, insisting on the geometry and type the caller expects and on values a
+        model can write; ValueError if not."""
         info = msgpack.unpackb(meta)
         if tuple(info["k"]) != k_shape or tuple(info["v"]) != v_shape or info["dtype"] != dtype:
             raise ValueError(f"chunk holds {info['k']}/{info['v']} {info['dtype']}, "
                              f"expected {k_shape}/{v_shape} {dtype}")
-        if len(data) != info["bytes"] or zlib.crc32(data) != info["crc"]:
-            raise ValueError("chunk data does not match its checksum")
         item = np.dtype(dtype)
         count = int(np.prod(k_shape))
+        if len(data) != info["bytes"] or len(data) != (count + int(np.prod(v_shape))) * item.itemsize:
+            raise ValueError(f"chunk data is {len(data)} bytes, not the {info['bytes']} its metadata states")
         keys = np.frombuffer(data, dtype=item, count=count).reshape(k_shape)
         values = np.frombuffer(data, dtype=item, offset=count * item.itemsize).reshape(v_shape)
+        check_values([keys, values], "chunk")
         return cls(keys, values)
 
 
@@ -69,23 +95,25 @@ class StateRecord:
         arrays = [(layer, np.ascontiguousarray(a, dtype=np.float32))
                   for layer, group in sorted(self.states.items()) for a in group]
         data = b"".join(a.tobytes() for _, a in arrays)
-        meta = msgpack.packb({"arrays": [[layer, list(a.shape)] for layer, a in arrays], "bytes": len(data),
-                              "crc": zlib.crc32(data)})
+        meta = msgpack.packb({"arrays": [[layer, list(a.shape)] for layer, a in arrays], "bytes": len(data)})
         return data, meta
 
     @classmethod
     def decode(cls, data: bytes, meta: bytes) -> "StateRecord":
-        """ValueError when the record does not match its checksum."""
+        """ValueError when the record's arrays do not fill its data exactly, or hold values no
+        model writes."""
         info = msgpack.unpackb(meta)
-        if len(data) != info["bytes"] or zlib.crc32(data) != info["crc"]:
-            raise ValueError("state data does not match its checksum")
+        shapes = [(int(layer), [int(n) for n in shape]) for layer, shape in info["arrays"]]
+        if len(data) != info["bytes"] or len(data) != 4 * sum(int(np.prod(shape)) for _, shape in shapes):
+            raise ValueError(f"state data is {len(data)} bytes, not what its metadata states")
         states: dict[int, list[np.ndarray]] = {}
         offset = 0
-        for layer, shape in info["arrays"]:
+        for layer, shape in shapes:
             count = int(np.prod(shape))
-            states.setdefault(int(layer), []).append(
+            states.setdefault(layer, []).append(
                 np.frombuffer(data, dtype=np.float32, count=count, offset=offset).reshape(shape).copy())
             offset += count * 4
+        check_values([a for group in states.values() for a in group], "state record")
         return cls(states)
 
 
@@ -104,25 +132,81 @@ class KVStore(Protocol):
 
     def describe(self) -> str: ...
 
+    @property
+    def rejections(self) -> Rejections:
+        """Where records refused on reading are counted."""
+
+
+class Rejections:
+    """Records refused on reading (forged, moved, truncated, oversized, not a regular file):
+    counted, reported to ``on_reject`` (the worker's metrics), and logged the first time and then
+    at most once a minute, so a flood of bad records cannot flood the log."""
+
+    LOG_INTERVAL = 60.0
+
+    def __init__(self, on_reject: Callable[[], None] | None = None):
+        self.count = 0
+        self.on_reject = on_reject
+        self._unlogged = 0
+        self._logged_at = float("-inf")
+        self._lock = threading.Lock()
+
+    def report(self, key: str, reason: str) -> None:
+        with self._lock:
+            self.count += 1
+            self._unlogged += 1
+            now = time.monotonic()
+            if now - self._logged_at < self.LOG_INTERVAL:
+                quiet = True
+            else:
+                quiet, unlogged = False, self._unlogged
+                self._unlogged, self._logged_at = 0, now
+        if self.on_reject is not None:
+            self.on_reject()
+        if not quiet:
+            more = f" ({unlogged - 1} more since the last report)" if unlogged > 1 else ""
+            log.warning("kvstore record %s refused: %s; it is dropped and its tokens recomputed%s",
+                        key, reason, more)
+
+
+def parse_length(meta: bytes) -> int:
+    """The data length a stored metadata record leads with; ValueError when it has none."""
+    if len(meta) < LENGTH.size:
+        raise ValueError(f"metadata record of {len(meta)} bytes")
+    return LENGTH.unpack_from(meta)[0]
+
 
 class RedisStore:
     """Chunks as two Redis keys, ``<key>:data`` and ``<key>:meta``.
 
-    After a connection failure the store stays quiet (answers misses at once) for a short
-    back-off, so a dead Redis costs one timeout, not one per request.
+    The URL may carry a user and password (``redis://user:secret@host:6379/0``) and ask for TLS
+    (``rediss://``); a password given apart (``password``) is used when the URL has none. After a
+    connection failure the store stays quiet (answers misses at once) for a short back-off, so a
+    dead Redis costs one timeout, not one per request.
     """
 
     BACKOFF_SECONDS = 5.0
 
-    def __init__(self, url: str, timeout: float = 1.0):
+    def __init__(self, url: str, timeout: float = 1.0, record_limit: int = 1 << 30,
+                 password: str | None = None, rejections: Rejections | None = None):
         import redis
 
         self.url = url
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        options = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+        if password and not redis.connection.parse_url(url).get("password"):
+            options["password"] = password
+        self.client = redis.Redis.from_url(url, **options)
+        self.record_limit = record_limit
+        self.rejections = rejections or Rejections()
         self._quiet_until = 0.0
 
     def describe(self) -> str:
-        return f"redis {self.url}"
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(self.url)
+        host = parts.hostname or ""
+        where = f"{parts.scheme}://{host}" + (f":{parts.port}" if parts.port else "") + parts.path
+        return f"redis {where}"  # never the password
 
     def _guard(self, what: str, action, default):
         now = time.monotonic()
@@ -153,19 +237,35 @@ class RedisStore:
 
     def get(self, key: str) -> tuple[bytes, bytes] | None:
         def fetch():
-            meta, data = self.client.mget([key + ":meta", key + ":data"])
-            if meta is None:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.strlen(key + ":meta").getrange(key + ":meta", 0, META_LIMIT - 1).strlen(key + ":data")
+            meta_size, meta, data_size = pipe.execute()
+            if not meta_size:
                 return None
-            if data is None:
+            if data_size == 0:
                 self.client.delete(key + ":meta")  # the data was evicted: the record lies
                 return None
-            return data, meta
+            try:
+                if meta_size > META_LIMIT:
+                    raise ValueError(f"metadata of {meta_size} bytes")
+                length = parse_length(meta)
+                if length != data_size or length > self.record_limit:
+                    raise ValueError(f"data of {data_size} bytes where its metadata states {length} "
+                                     f"(at most {self.record_limit})")
+            except ValueError as exc:
+                self.rejections.report(key, str(exc))
+                self.delete(key)
+                return None
+            data = self.client.getrange(key + ":data", 0, length - 1) if length else b""
+            if len(data) != length:  # replaced since
+                return None
+            return data, meta[LENGTH.size:]
         return self._guard("read", fetch, None)
 
     def put(self, key: str, data: bytes, meta: bytes) -> None:
         def store():
             self.client.set(key + ":data", data)
-            self.client.set(key + ":meta", meta)
+            self.client.set(key + ":meta", LENGTH.pack(len(data)) + meta)
         self._guard("write", store, None)
 
     def delete(self, key: str) -> None:
@@ -177,13 +277,17 @@ class DirectoryStore:
 
     When the budget is exceeded the least recently used chunks (by file time; reads touch it)
     are removed. Writes go through a temporary name and a rename, so a crash never leaves a
-    half-written record under a real name.
+    half-written record under a real name. Reads open only regular files this user owns (never
+    through a symlink, never a FIFO or a device), of the size the metadata states.
     """
 
-    def __init__(self, directory: str | os.PathLike, max_bytes: int):
+    def __init__(self, directory: str | os.PathLike, max_bytes: int, record_limit: int | None = None,
+                 rejections: Rejections | None = None):
         self.root = Path(directory)
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
+        self.record_limit = min(record_limit or max_bytes, max_bytes)
+        self.rejections = rejections or Rejections()
         self._lock = threading.Lock()
         self._used = sum(p.stat().st_size for p in self.root.glob("*/*.data"))
 
@@ -204,34 +308,73 @@ class DirectoryStore:
             found += 1
         return found
 
+    @staticmethod
+    def _read(path: Path, limit: int, exact: int | None = None) -> bytes:
+        """A regular file of ours, of ``exact`` bytes (or at most ``limit``), read without
+        following a symlink or waiting on a FIFO. FileNotFoundError when absent, ValueError
+        when it is not such a file."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError):
+                raise
+            if os.path.islink(path):
+                raise ValueError(f"{path.name} is a symlink") from None
+            raise
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError(f"{path.name} is not a regular file")
+            if info.st_uid != os.geteuid():
+                raise ValueError(f"{path.name} belongs to another user (uid {info.st_uid})")
+            size = info.st_size
+            if size > limit or (exact is not None and size != exact):
+                wanted = f"the {exact} its metadata states" if exact is not None else f"at most {limit}"
+                raise ValueError(f"{path.name} is {size} bytes, not {wanted}")
+            parts, left = [], size
+            while left:
+                part = os.read(fd, min(left, 1 << 24))
+                if not part:
+                    raise ValueError(f"{path.name} shrank while being read")
+                parts.append(part)
+                left -= len(part)
+            return b"".join(parts)
+        finally:
+            os.close(fd)
+
     def get(self, key: str) -> tuple[bytes, bytes] | None:
         data_path, meta_path = self.files(key)
         try:
-            meta = meta_path.read_bytes()
+            meta = self._read(meta_path, META_LIMIT)
+            length = parse_length(meta)
+            if length > self.record_limit:
+                raise ValueError(f"its metadata states {length} bytes of data, above the limit of "
+                                 f"{self.record_limit}")
+            data = self._read(data_path, length, exact=length)
+            os.utime(data_path, follow_symlinks=False)  # recently used: evicted last
         except FileNotFoundError:
+            meta_path.unlink(missing_ok=True)  # metadata without data: the record lies
             return None
-        except OSError as exc:
-            log.warning("kvstore read of %s failed: %s; treating it as a miss", meta_path, exc)
-            return None
-        try:
-            data = data_path.read_bytes()
-            os.utime(data_path)  # recently used: evicted last
-        except FileNotFoundError:
-            meta_path.unlink(missing_ok=True)
+        except ValueError as exc:
+            self.rejections.report(key, str(exc))
+            self.delete(key)
             return None
         except OSError as exc:
             log.warning("kvstore read of %s failed: %s; treating it as a miss", data_path, exc)
             return None
-        return data, meta
+        return data, meta[LENGTH.size:]
 
     def put(self, key: str, data: bytes, meta: bytes) -> None:
         data_path, meta_path = self.files(key)
         try:
             data_path.parent.mkdir(exist_ok=True)
-            for path, blob in ((data_path, data), (meta_path, meta)):
+            for path, blob in ((data_path, data), (meta_path, LENGTH.pack(len(data)) + meta)):
                 # a name of this process's own: workers sharing the directory may write one chunk at once
                 partial = path.with_suffix(f"{path.suffix}.{os.getpid()}.partial")
-                partial.write_bytes(blob)
+                partial.unlink(missing_ok=True)  # never write through what someone put in its place
+                fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "wb") as file:
+                    file.write(blob)
                 os.replace(partial, path)
         except OSError as exc:
             log.warning("kvstore write of %s failed: %s; the chunk is not kept", data_path, exc)
@@ -245,7 +388,7 @@ class DirectoryStore:
         data_path, meta_path = self.files(key)
         meta_path.unlink(missing_ok=True)
         try:
-            size = data_path.stat().st_size
+            size = data_path.lstat().st_size
             data_path.unlink()
             with self._lock:
                 self._used -= size
@@ -256,10 +399,10 @@ class DirectoryStore:
         files = []
         for path in self.root.glob("*/*.data"):
             try:
-                stat = path.stat()
+                info = path.lstat()
             except FileNotFoundError:
                 continue
-            files.append((stat.st_mtime, stat.st_size, path))
+            files.append((info.st_mtime, info.st_size, path))
         files.sort()
         used = sum(size for _, size, _ in files)
         target = self.max_bytes * 0.9  # some headroom, so eviction does not run on every write
@@ -272,10 +415,66 @@ class DirectoryStore:
         self._used = used
 
 
-def open_store(redis_url: str | None = None, directory: str | None = None,
-               max_bytes: int = 4 << 30) -> KVStore | None:
+class SealedStore:
+    """A backend whose records are authenticated: each metadata record ends with a BLAKE2b tag
+    keyed by the store secret, over the record's name, its metadata and its data. A record whose
+    tag is missing or wrong (forged, altered, or copied from another name) is deleted and read as
+    a miss; so is one whose data the backend refused."""
+
+    TAG_BYTES = 32
+
+    def __init__(self, backend: KVStore, secret: bytes, rejections: Rejections | None = None):
+        if len(secret) < 16:
+            raise ValueError("a kvstore secret needs at least 16 bytes")
+        self.backend = backend
+        # the secret may be any length; BLAKE2b takes a key of at most 64 bytes
+        self._key = hashlib.blake2b(secret, digest_size=32, person=b"lmserve kv key").digest()
+        self.rejections = rejections or getattr(backend, "rejections", None) or Rejections()
+
+    def tag(self, key: str, data: bytes, meta: bytes) -> bytes:
+        mac = hashlib.blake2b(key=self._key, digest_size=self.TAG_BYTES, person=b"lmserve kv")
+        name = key.encode()
+        mac.update(LENGTH.pack(len(name)) + name + LENGTH.pack(len(meta)) + meta + LENGTH.pack(len(data)))
+        mac.update(data)
+        return mac.digest()
+
+    def describe(self) -> str:
+        return self.backend.describe()
+
+    def present(self, keys: list[str]) -> int:
+        return self.backend.present(keys)
+
+    def get(self, key: str) -> tuple[bytes, bytes] | None:
+        record = self.backend.get(key)
+        if record is None:
+            return None
+        data, sealed = record
+        meta, tag = sealed[:-self.TAG_BYTES], sealed[-self.TAG_BYTES:]
+        if len(sealed) < self.TAG_BYTES or not hmac.compare_digest(tag, self.tag(key, data, meta)):
+            self.rejections.report(key, "its tag does not match (written without the store secret, "
+                                        "altered, or moved from another name)")
+            self.backend.delete(key)
+            return None
+        return data, meta
+
+    def put(self, key: str, data: bytes, meta: bytes) -> None:
+        self.backend.put(key, data, meta + self.tag(key, data, meta))
+
+    def delete(self, key: str) -> None:
+        self.backend.delete(key)
+
+
+def open_store(redis_url: str | None = None, directory: str | None = None, max_bytes: int = 4 << 30,
+               secret: bytes | None = None, record_limit: int = 1 << 30, password: str | None = None,
+               on_reject: Callable[[], None] | None = None) -> KVStore | None:
+    """The kvstore the flags name, sealed with ``secret`` (unsealed only without one: tests of
+    the backends themselves)."""
+    rejections = Rejections(on_reject)
     if redis_url:
-        return RedisStore(redis_url)
-    if directory:
-        return DirectoryStore(directory, max_bytes)
-    return None
+        backend: KVStore = RedisStore(redis_url, record_limit=record_limit, password=password,
+                                      rejections=rejections)
+    elif directory:
+        backend = DirectoryStore(directory, max_bytes, record_limit=record_limit, rejections=rejections)
+    else:
+        return None
+    return SealedStore(backend, secret, rejections) if secret is not None else backend

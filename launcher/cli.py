@@ -7,6 +7,7 @@
     lmserve models             the models MODEL may name (fetched on first use); else a GGUF path
     lmserve cartridge init DOC a KV prefix of a document, for --cartridge
     lmserve cartridge train DOC… a cartridge trained on documents by self-study (lmserve[train])
+    lmserve keys NAME…         CURVE key pairs for the worker wire, a kvstore secret (split deployments)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ COMMANDS = {
     "generate": "worker.generate",
     "models": "launcher.models",
     "cartridge": "worker.cartridge",
+    "keys": "shared.keys",
 }
 
 

@@ -8,7 +8,9 @@ URL once every worker has loaded and every gateway answers, and takes them all d
 - Ctrl-C or SIGTERM stops the gateways first, so in-flight streams finish while the workers
   still run (each gateway cuts what is left after ``--drain-timeout``), then the workers.
   A second Ctrl-C kills everything at once.
-- If any child dies, the command names it, stops the others and exits non-zero.
+- A child that dies while the stack serves is named and started again (after a pause that
+  grows while it keeps dying soon after each start); the others go on serving. A child that
+  fails at start (a model that does not load, a port taken) stops the command, non-zero.
 - The children run in their own process group (a terminal's Ctrl-C reaches only this process,
   which orders the shutdown) and die with this process even if it is killed outright
   (see ``launcher.supervised``).
@@ -36,12 +38,16 @@ from gateway.flags import build_parser as gateway_parser
 from launcher.flags import build_parser, to_argv
 from shared.command_line import env_name
 from shared.load_progress import ProgressBar, parse_status
+from shared.wire_security import ephemeral_pair
 from worker.flags import build_parser as worker_parser
 from worker.flags import check_worker_flags, model_argument
 
 POLL_INTERVAL = 0.1  # seconds between looks at the children
 GATEWAYS_READY_WAIT = 10.0  # after the first healthy answer, how long to wait to hear from every gateway
 WORKER_STOP_WAIT = 15.0  # a forward pass in progress finishes before the worker exits
+RESTART_BACKOFF = 0.5  # seconds before a child that died is started again, doubled each quick death
+RESTART_BACKOFF_MAX = 30.0
+RESTART_RESET = 60.0  # a child that ran this long before dying is restarted without waiting longer
 
 
 def _free_tcp_endpoints(count: int) -> list[str]:
@@ -68,13 +74,36 @@ def describe_exit(code: int) -> str:
 @dataclass
 class Child:
     name: str
-    proc: subprocess.Popen
+    command: list[str]
+    env: dict[str, str]
     gateway: bool
+    proc: subprocess.Popen | None = None
     reported: bool = False  # its exit has been dealt with
+    status_fd: int | None = None  # a worker's: our end of the pipe it reports loading on
+    started_at: float = 0.0
+    restarts: int = 0  # in a row, each after a short life; the backoff grows with them
+    restart_at: float | None = None  # when a child that died is started again
+
+    def spawn(self) -> None:
+        """Start (or start again) the process; a worker gets a new status pipe."""
+        # Own process group: a terminal's Ctrl-C reaches only us, and we stop the children in order.
+        common = {"stdin": subprocess.DEVNULL, "process_group": 0, "env": self.env}
+        if self.gateway:
+            self.proc = subprocess.Popen(self.command, **common)
+        else:
+            status_read, status_write = os.pipe()
+            self.proc = subprocess.Popen(self.command + ["--status-fd", str(status_write)],
+                                         pass_fds=(status_write,), **common)
+            os.close(status_write)
+            os.set_blocking(status_read, False)
+            self.status_fd = status_read
+        self.started_at = time.monotonic()
+        self.reported = False
+        self.restart_at = None
 
     @property
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.proc is not None and self.proc.poll() is None
 
     def signal(self, signum: int) -> None:
         if self.alive:
@@ -93,6 +122,7 @@ class Stack:
     exit_code: int = 0
     # our ends of the workers' status pipes, each with what it has sent of its current line
     status: dict[int, bytearray] = field(default_factory=dict)
+    status_of: dict[int, Child] = field(default_factory=dict)  # whose pipe each is
     loaded: int = 0  # workers that have said they are ready
     model_id: str = ""
     seen_gateways: set[str] = field(default_factory=set)  # ids of gateways that answered 200
@@ -105,34 +135,44 @@ class Stack:
 
     def start(self) -> None:
         python = [sys.executable, "-m", "launcher.supervised", str(os.getpid())]
-        # Own process group: a terminal's Ctrl-C reaches only us, and we stop the children in order.
-        common = {"stdin": subprocess.DEVNULL, "process_group": 0}
-        worker_argv = to_argv(worker_parser(), self.args, skip=lambda a: a.dest == "worker")
+        # Secrets travel in the environment: a command line is visible to every local user. The
+        # wire between the children is CURVE with key pairs made now, known to no one else.
+        worker_public, worker_secret = ephemeral_pair()
+        gateway_public, gateway_secret = ephemeral_pair()
+        secrets = {env_name(flag): value for flag, value in (("--kv-secret", self.args.kv_secret),
+                                                             ("--kv-store-password", self.args.kv_store_password))
+                   if value}
+        worker_env = {**os.environ, **secrets, env_name("--wire-key"): worker_secret.decode(),
+                      env_name("--wire-allow"): gateway_public.decode()}
+        worker_argv = to_argv(worker_parser(), self.args,
+                              skip=lambda a: a.dest in ("worker", "kv_secret", "kv_store_password"))
         endpoints = self.args.worker.split(",")
         for i, endpoint in enumerate(endpoints):
-            status_read, status_write = os.pipe()
             name = "the worker" if len(endpoints) == 1 else f"worker {i + 1}"
-            self.children.append(Child(name, subprocess.Popen(
-                python + ["worker", self.args.model, *worker_argv, "--worker", endpoint,
-                          "--status-fd", str(status_write)],
-                pass_fds=(status_write,), **common), gateway=False))
-            os.close(status_write)
-            os.set_blocking(status_read, False)
-            self.status[status_read] = bytearray()
-            self.selector.register(status_read, selectors.EVENT_READ)
+            self._spawn(Child(name, python + ["worker", self.args.model, *worker_argv, "--worker", endpoint],
+                              worker_env, gateway=False))
         # Gateways start at once: they answer 503 while the worker loads and find it by themselves.
         # The API key travels in the environment: a command line is visible to every local user.
-        gateway_env = {**os.environ, env_name("--api-key"): self.args.api_key or ""}
+        gateway_env = {**os.environ, env_name("--api-key"): ",".join(self.args.api_key),
+                       env_name("--wire-key"): gateway_secret.decode(), env_name("--worker-key"): worker_public.decode()}
         # gateways sharing the port keep their metrics in one directory, and each reports the sum
         gateway_env[MULTIPROCESS_ENV] = self.metrics_dir
         gateway_argv = to_argv(gateway_parser(), self.args, skip=lambda a: a.dest == "api_key")
         for i in range(self.args.gateways):
-            self.children.append(Child(f"gateway {i + 1}", subprocess.Popen(
-                python + ["gateway", *gateway_argv], env=gateway_env, **common), gateway=True))
+            self._spawn(Child(f"gateway {i + 1}", python + ["gateway", *gateway_argv], gateway_env, gateway=True))
         self.bar = ProgressBar(sys.stderr, f"loading {os.path.basename(self.args.model)}") \
             if sys.stderr.isatty() else None
         if self.bar is None:
             print(f"lmserve serve: loading {self.args.model}", file=sys.stderr, flush=True)
+
+    def _spawn(self, child: Child) -> None:
+        child.spawn()
+        if child not in self.children:
+            self.children.append(child)
+        if child.status_fd is not None:
+            self.status[child.status_fd] = bytearray()
+            self.status_of[child.status_fd] = child
+            self.selector.register(child.status_fd, selectors.EVENT_READ)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -174,7 +214,12 @@ class Stack:
         first = fd == min(self.status)
         for line in lines:
             entry = parse_status(line.decode("utf-8", "replace"))
-            if entry is None or self.phase != "loading":
+            if entry is None:
+                continue
+            if self.phase != "loading":
+                child = self.status_of.get(fd)
+                if entry["event"] == "ready" and child is not None and child.restarts:
+                    print(f"lmserve serve: {child.name} is back (pid {child.proc.pid})", file=sys.stderr, flush=True)
                 continue
             if entry["event"] == "loading" and self.bar is not None and first:
                 self.bar.update(int(entry["done"]), int(entry["total"]))
@@ -200,15 +245,24 @@ class Stack:
             self.selector.unregister(each)
             os.close(each)
             del self.status[each]
+            self.status_of.pop(each, None)
 
     def _check_children(self) -> None:
+        now = time.monotonic()
         for child in self.children:
+            if child.restart_at is not None and now >= child.restart_at and self.phase == "serving":
+                if child.status_fd is not None and child.status_fd in self.status:
+                    self._close_status(child.status_fd)
+                self._spawn(child)
+                continue
             code = child.proc.poll()
             if code is None or child.reported:
                 continue
             child.reported = True
             # Once a stop is under way (asked for, or caused by an earlier death) exits are ours.
-            if self.phase not in ("draining", "stopping-worker", "done"):
+            if self.phase in ("draining", "stopping-worker", "done"):
+                continue
+            if self.phase in ("loading", "starting"):  # a child that fails at start: the stack cannot start
                 if self.bar is not None:
                     self.bar.finish()
                 when = " while loading the model" if self.phase == "loading" and not child.gateway else ""
@@ -216,6 +270,14 @@ class Stack:
                       "stopping the others", file=sys.stderr, flush=True)
                 self.exit_code = self.exit_code or (code if code > 0 else 1)
                 self._begin_stop()
+                continue
+            # Serving: the others go on, and the one that died is started again. A child that dies
+            # soon after each start waits longer each time; one that lived a while starts at once.
+            child.restarts = 1 if now - child.started_at > RESTART_RESET else child.restarts + 1
+            delay = min(RESTART_BACKOFF * 2 ** (child.restarts - 1), RESTART_BACKOFF_MAX)
+            child.restart_at = now + delay
+            print(f"lmserve serve: {child.name} (pid {child.proc.pid}) {describe_exit(code)}; the others go on, "
+                  f"restarting it in {delay:g} s", file=sys.stderr, flush=True)
 
     def _advance(self) -> None:
         now = time.monotonic()

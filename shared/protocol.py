@@ -26,13 +26,14 @@ from __future__ import annotations
 import array
 import enum
 import sys
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import msgpack
 
 from shared.errors import InvalidRequestError
 from shared.sampling_params import SamplingParams
+from shared.wire_types import WireTypeError, fields_of
 
 PROTOCOL_VERSION = 2  # 2: every message a typed struct (MODEL_CARD capabilities, GENERATE sampling and grammar)
 # Where a worker binds and a gateway connects when no --worker is given: this machine.
@@ -72,8 +73,9 @@ class ProtocolError(Exception):
 
 
 class InvalidGenerate(ProtocolError):
-    """A GENERATE that parses but asks for what no request may (a negative temperature, a
-    grammar without a source): the worker answers it with REJECTED rather than dropping it."""
+    """A GENERATE that is malformed (a field of the wrong type, no prompt frame) or asks for what
+    no request may (a negative temperature): the worker answers it with REJECTED rather than
+    dropping it, under its request id, or "" when that is not a string."""
 
     def __init__(self, request_id: str, message: str):
         super().__init__(message)
@@ -90,8 +92,8 @@ class Message:
 
     @classmethod
     def from_body(cls, body: dict[str, Any], raw: list[bytes]) -> "Message":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in body.items() if k in names})
+        """Every field type-checked (shared/wire_types.py): WireTypeError names the one that is not."""
+        return cls(**fields_of(cls, body))
 
     def frames(self) -> list[bytes]:
         return [self.TYPE.value, msgpack.packb(self.body(), use_bin_type=True)]
@@ -136,14 +138,6 @@ class Capabilities:
     fleet: list[str] = field(default_factory=list)  # a fleet's documents (empty: none): send query ids
     worker: str = ""  # host:pid of the worker process
 
-    @classmethod
-    def from_wire(cls, body: dict[str, Any]) -> "Capabilities":
-        known = {k: v for k, v in body.items() if k in {f.name for f in fields(cls)}}
-        for name in ("reasoning_tags", "tool_call_tags"):
-            if known.get(name) is not None:
-                known[name] = Tags(**known[name])
-        return cls(**known)
-
 
 @dataclass
 class ModelCard(Message):
@@ -159,23 +153,11 @@ class ModelCard(Message):
     capabilities: Capabilities
     instance: str = ""  # new on every worker start: a change means in-flight work is lost
 
-    @classmethod
-    def from_body(cls, body: dict[str, Any], raw: list[bytes]) -> "ModelCard":
-        card = super().from_body(body, raw)
-        card.capabilities = Capabilities.from_wire(body["capabilities"])
-        return card
-
 
 @dataclass
 class Grammar:
     kind: str  # "json_schema" | "json_object" | "regex" | "lark" | "llguidance"
     source: str
-
-    @classmethod
-    def from_wire(cls, body: Any) -> "Grammar":
-        if not (isinstance(body, dict) and isinstance(body.get("kind"), str) and isinstance(body.get("source"), str)):
-            raise InvalidRequestError("grammar must be a map with kind and source")
-        return cls(body["kind"], body["source"])
 
 
 INT32 = next(code for code in "il" if array.array(code).itemsize == 4)  # the array type code of int32
@@ -216,6 +198,8 @@ class Generate(Message):
     # >= 0: score the prompt too, each token's logprob with this many alternatives (the prompt is
     # then computed whole, and max_tokens may be 0); -1: not
     prompt_logprobs: int = -1
+    # whose cached prefixes the request may reuse: a tenant's digest with several API keys, "" for all
+    namespace: str = ""
 
     def body(self) -> dict[str, Any]:
         data = asdict(self)
@@ -228,24 +212,17 @@ class Generate(Message):
 
     @classmethod
     def from_body(cls, body: dict[str, Any], raw: list[bytes]) -> "Generate":
+        # the reply goes out under the request's id; one that is not a string cannot be matched
+        # to any request, so its REJECTED carries ""
+        request_id = body.get("request_id")
+        request_id = request_id if isinstance(request_id, str) else ""
         if len(raw) != 1 or len(raw[0]) % 4:
-            raise ProtocolError("GENERATE needs exactly one int32 frame of prompt ids")
-        names = {f.name for f in fields(cls)} - {"prompt"}
-        prompt = unpack_ids(raw[0])
-        values = {k: v for k, v in body.items() if k in names}
-        request_id = str(body.get("request_id", ""))
+            raise InvalidGenerate(request_id, "GENERATE needs exactly one int32 frame of prompt ids")
         try:
-            sampling = values.get("sampling") or {}
-            if not isinstance(sampling, dict):
-                raise InvalidRequestError("sampling must be a map")
-            values["sampling"] = SamplingParams.from_wire(sampling)
-            if values.get("grammar") is not None:
-                values["grammar"] = Grammar.from_wire(values["grammar"])
-        except InvalidRequestError as exc:
+            values = fields_of(cls, body, skip=frozenset({"prompt"}))
+        except (WireTypeError, InvalidRequestError) as exc:  # a field's type, or a value no request may ask for
             raise InvalidGenerate(request_id, exc.message) from exc
-        except (TypeError, ValueError) as exc:  # a value of the wrong type
-            raise InvalidGenerate(request_id, f"the request could not be admitted: {exc}") from exc
-        return cls(prompt=prompt, **values)
+        return cls(prompt=unpack_ids(raw[0]), **values)
 
 
 @dataclass
@@ -298,12 +275,6 @@ class Finished(Message):
 
     def body(self) -> dict[str, Any]:
         return {**asdict(self), "reason": self.reason.value}
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any], raw: list[bytes]) -> "Finished":
-        finished = super().from_body(body, raw)
-        finished.reason = FinishReason(finished.reason)  # ValueError on an unknown reason
-        return finished
 
 
 @dataclass

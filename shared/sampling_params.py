@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shared.errors import InvalidRequestError
+from shared.wire_types import fields_of
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,9 @@ class SamplingParams:
         return data
 
     @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> "SamplingParams":
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        values["logit_bias"] = {int(k): float(v) for k, v in values.get("logit_bias") or []}
+    def from_wire(cls, data: dict[str, Any], path: str = "") -> "SamplingParams":
+        """From ``to_wire``'s map, every field type-checked (``path`` goes before the names in
+        messages); WireTypeError or InvalidRequestError say what is wrong."""
+        values = fields_of(cls, data, path, wire_types={"logit_bias": list[tuple[int, float]] | None})
+        values["logit_bias"] = {token: float(bias) for token, bias in values.get("logit_bias") or []}
         return cls(**values)

@@ -88,9 +88,10 @@ class ChildProcess:
 class WorkerProcess(ChildProcess):
     """A real ``lmserve worker`` child process on a loopback port."""
 
-    def __init__(self, model: Path | str, *flags: str, log_path: Path):
+    def __init__(self, model: Path | str, *flags: str, log_path: Path, wire=None):
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.log_path = log_path
+        self.wire = wire  # the CURVE keys a gateway of this worker holds (shared.wire_security.ClientKeys)
         self.args = [sys.executable, "-m", "launcher.cli", "worker", str(model), "--worker", self.endpoint, *flags]
 
     def card(self, timeout: float = 30):
@@ -98,7 +99,7 @@ class WorkerProcess(ChildProcess):
         from gateway.worker_client import WorkerClient
 
         async def ask():
-            client = WorkerClient(self.endpoint)
+            client = WorkerClient(self.endpoint, wire=self.wire)
             await client.start()
             try:
                 return await client.wait_ready(timeout)
@@ -128,8 +129,8 @@ def start_worker(tmp_path_factory) -> Iterator:
     started: list[WorkerProcess] = []
     logs = tmp_path_factory.mktemp("worker-logs")
 
-    def start(model, *flags: str) -> WorkerProcess:
-        worker = WorkerProcess(model, *flags, log_path=logs / f"worker-{len(started)}.log").start()
+    def start(model, *flags: str, wire=None) -> WorkerProcess:
+        worker = WorkerProcess(model, *flags, log_path=logs / f"worker-{len(started)}.log", wire=wire).start()
         started.append(worker)
         worker.wait_ready()
         return worker
@@ -189,11 +190,14 @@ def start_gateway(tmp_path_factory) -> Iterator:
 class RedisProcess(ChildProcess):
     """A real redis-server (Debian's package) on a loopback port, nothing persisted."""
 
-    def __init__(self, log_path: Path, workdir: Path):
+    def __init__(self, log_path: Path, workdir: Path, password: str | None = None):
         self.port = free_port()
         self.log_path = log_path
+        self.password = password
         self.args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                      "--appendonly", "no", "--dir", str(workdir)]
+        if password:
+            self.args += ["--requirepass", password]
 
     @property
     def url(self) -> str:
@@ -201,7 +205,7 @@ class RedisProcess(ChildProcess):
 
     def wait_ready(self, timeout: float = 20) -> None:
         import redis
-        client = redis.Redis(port=self.port, socket_timeout=1)
+        client = redis.Redis(port=self.port, socket_timeout=1, password=self.password)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -219,9 +223,9 @@ def start_redis(tmp_path_factory) -> Iterator:
         pytest.fail("redis-server is not installed (Debian package redis-server; .ci/run installs it)")
     started: list[RedisProcess] = []
 
-    def start() -> RedisProcess:
+    def start(password: str | None = None) -> RedisProcess:
         workdir = tmp_path_factory.mktemp("redis")
-        server = RedisProcess(workdir / "redis.log", workdir).start()
+        server = RedisProcess(workdir / "redis.log", workdir, password).start()
         started.append(server)
         server.wait_ready()
         return server

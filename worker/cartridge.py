@@ -127,7 +127,14 @@ class Cartridge:
                 dtype, shape, raw = file.raw(f"{name}.{layer}")
                 if shape != (n_kv, tokens, width):
                     raise ModelLoadError(f"{path}: {name}.{layer} is {list(shape)}, not [{n_kv}, {tokens}, {width}]")
-                out.append(floats(dtype, raw, shape))
+                held = floats(dtype, raw, shape)
+                # a NaN in a prefix reaches every reply's attention, which then samples nothing
+                with np.errstate(over="ignore", invalid="ignore"):
+                    finite = np.isfinite(held.astype(cache.dtype)).all()
+                if not finite:
+                    raise ModelLoadError(f"{path}: {name}.{layer} holds NaN or infinite values (or values beyond "
+                                         f"the KV cache's {cache.dtype.name}): a cartridge must hold finite ones")
+                out.append(held)
         if cache.uniform:
             stacked_keys, stacked_values = np.stack(keys), np.stack(values)
         else:

@@ -93,12 +93,29 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-store", default=None,
                    help="Redis URL of the kvstore (redis://host:6379/0): evicted KV spills there, "
                         "and any worker of the same model restores it")
+    p.add_argument("--kv-store-password", default=None, metavar="PASSWORD",
+                   help="the Redis password, where the --kv-store URL carries none (better from the environment)")
+    p.add_argument("--kv-secret", default=None, metavar="FILE",
+                   help="the secret that authenticates kvstore records: a file, or the secret itself; every "
+                        "worker sharing a store needs the same one (default: this machine's own, made once in "
+                        "the cache directory; lmserve keys --kv-secret FILE writes one)")
     p.add_argument("--kv-cache-dir", default=None,
                    help="spill evicted KV to files under this directory (the embedded kvstore)")
     p.add_argument("--kv-disk-slots", type=int, default=8,
                    help="size bound of --kv-cache-dir, in full --ctx caches")
     p.add_argument("--kv-chunk", type=int, default=DEFAULT_CHUNK_TOKENS,
                    help="tokens per spilled KV chunk")
+
+
+def add_wire_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wire-key", default=None, metavar="FILE",
+                   help="this worker's CURVE secret key (a .key_secret file from lmserve keys, or the key's "
+                        "Z85 text): the wire is then encrypted, and only --wire-allow gateways are answered")
+    p.add_argument("--wire-allow", action=CommaList, default=[], metavar="FILE",
+                   help="the gateways' CURVE public keys (.key files, directories of them, or Z85 texts)")
+    p.add_argument("--wire-insecure", action="store_true",
+                   help="serve the wire in the clear on a non-loopback endpoint, to any peer (without it, such "
+                        "a worker needs --wire-key)")
 
 
 def check_worker_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -120,6 +137,7 @@ def build_parser() -> EnvParser:
     add_model_flags(p)
     p.add_argument("--worker", default=DEFAULT_ENDPOINT,
                    help="ZeroMQ endpoint of the worker (tcp://host:port or ipc://path)")
+    add_wire_flags(p)
     add_worker_flags(p)
     log_format.add_log_format_flag(p)
     p.add_argument("--status-fd", type=int, default=None,

@@ -21,6 +21,7 @@ class Slot:
     busy: bool = False
     last_used: int = 0
     session: str | None = None  # a client's cache-affinity hint, if it sent one
+    namespace: str = ""  # whose cached prefixes the slot holds (a tenant's, with several API keys)
 
 
 @dataclass
@@ -43,7 +44,8 @@ class SlotPool:
     def free_count(self) -> int:
         return sum(not s.busy for s in self.slots)
 
-    def acquire(self, prompt: list[int], session: str | None = None, floor: int = 0) -> SlotChoice | None:
+    def acquire(self, prompt: list[int], session: str | None = None, floor: int = 0,
+                namespace: str = "") -> SlotChoice | None:
         """The free slot sharing the longest prefix with ``prompt``; else the least recently used.
 
         Ties on prefix length go to the slot of the same session, then to the most recent one.
@@ -56,16 +58,23 @@ class SlotPool:
         many conversations start with), truncating it would throw that conversation away: the
         shared prefix is copied into the least recently used slot instead, and the other
         conversation stays whole.
+
+        A slot of another ``namespace`` shares nothing with the prompt but the ``floor`` (which
+        the operator put there for all): one tenant never reuses, nor times, another's prompts.
         """
         free = [s for s in self.slots if not s.busy]
         if not free:
             return None
 
+        def shared(slot: Slot) -> int:
+            common = slot.cache.common_prefix(prompt)
+            return common if slot.namespace == namespace else min(common, floor)
+
         def score(slot: Slot) -> tuple[int, bool, int]:
-            return slot.cache.common_prefix(prompt), session is not None and slot.session == session, slot.last_used
+            return shared(slot), session is not None and slot.session == session, slot.last_used
 
         best = max(free, key=score)
-        reused = min(best.cache.common_prefix(prompt), len(prompt) - 1)
+        reused = min(shared(best), len(prompt) - 1)
         oldest = min(free, key=lambda s: s.last_used)
         if reused <= floor:
             best = oldest
@@ -77,6 +86,7 @@ class SlotPool:
         best.cache.truncate(reused)
         best.busy = True
         best.session = session
+        best.namespace = namespace
         best.last_used = next(self._clock)
         # a cache that cannot be cut back (recurrent state) kept all of it or nothing: the
         # exact prompt again keeps nothing, since one token must be computed

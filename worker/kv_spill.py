@@ -16,6 +16,8 @@ import queue
 import threading
 from dataclasses import dataclass
 
+import msgpack
+
 from kvstore.chunks import chunk_keys
 from kvstore.store import KVChunk, KVStore, StateRecord
 from worker import metrics
@@ -45,20 +47,21 @@ class KVSpiller:
         self._thread = threading.Thread(target=self._writer, name="kv-spill", daemon=True)
         self._thread.start()
 
-    def keys_for(self, tokens: list[int]) -> list[str]:
-        # a cartridge's pseudo-ids lead the tokens of a cache behind it, so they key its chunks apart
-        return chunk_keys(self.fingerprint, tokens, self.chunk_tokens)
+    def keys_for(self, tokens: list[int], namespace: str = "") -> list[str]:
+        # a cartridge's pseudo-ids lead the tokens of a cache behind it, so they key its chunks apart;
+        # a tenant's namespace keys its own chunks apart from every other tenant's
+        return chunk_keys(self.fingerprint, tokens, self.chunk_tokens, prefix_ids=(namespace,) if namespace else ())
 
     # --- restore (engine thread) -----------------------------------------------------------
 
-    def restore(self, cache: KVCache, prompt: list[int], resident: int) -> int:
+    def restore(self, cache: KVCache, prompt: list[int], resident: int, namespace: str = "") -> int:
         """Extend the cache's valid prefix of ``prompt`` from the store; returns its new length.
 
         At least one prompt token is always left to compute (its logits start the reply). A
         cache with recurrent state is restored only into an empty one, and only as far as a
         chunk whose states the store holds too.
         """
-        usable = self.keys_for(prompt[:len(prompt) - 1])
+        usable = self.keys_for(prompt[:len(prompt) - 1], namespace)
         first = resident // self.chunk_tokens  # the chunk holding the first position to fill
         if len(usable) <= first:
             return resident
@@ -76,8 +79,8 @@ class KVSpiller:
                 break
             try:
                 chunk = KVChunk.decode(*record, k_shape, v_shape, cache.dtype.name)
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("kvstore chunk %s is unusable (%s); dropping it", usable[index], exc)
+            except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+                self.store.rejections.report(usable[index], str(exc))
                 self.store.delete(usable[index])
                 break
             start = index * self.chunk_tokens
@@ -108,17 +111,17 @@ class KVSpiller:
                 continue
             try:
                 return count, StateRecord.decode(*record)
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("kvstore states %s are unusable (%s); dropping them", present[count - 1], exc)
+            except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+                self.store.rejections.report(self.state_key(present[count - 1]), str(exc))
                 self.store.delete(self.state_key(present[count - 1]))
         return 0, None
 
     # --- spill (engine thread copies, writer thread stores) ----------------------------------
 
-    def spill(self, cache: KVCache) -> int:
+    def spill(self, cache: KVCache, namespace: str = "") -> int:
         """Queue the cache's full chunks the store lacks; returns how many were queued."""
         tokens = list(cache.tokens[:cache.length])
-        keys = self.keys_for(tokens)
+        keys = self.keys_for(tokens, namespace)
         have = self.store.present(keys)
         queued = 0
         # chunks whose sliding layers were given back cannot be exported (the store lost them)

@@ -13,6 +13,7 @@ from kvstore.store import open_store
 from shared import log_format
 from shared.chat_template import ChatTemplate
 from shared.errors import LmserveError
+from shared.keys import machine_kv_secret, public_keys, read_secret, secret_key
 from shared.load_progress import ProgressBar, StatusWriter
 from shared.memory import fix_mmap_threshold
 from worker import metrics
@@ -24,6 +25,7 @@ from worker.flags import build_parser, check_worker_flags, metrics_host, model_a
 from worker.kv_spill import KVSpiller
 from worker.scheduler import SchedulerSettings, resident_slot_count
 from worker.scripted import ScriptedReplies
+from shared.wire_security import ServerKeys, is_loopback_endpoint
 from worker.server import WorkerServer, WorkerSettings
 
 KV_MEMORY_SHARE = 0.5  # of the memory available at start, for --kv-slots full caches
@@ -99,11 +101,39 @@ def _fleet(args, engine: Engine, ctx: int, spiller: KVSpiller | None) -> Fleet:
     return fleet
 
 
+RECORD_LIMIT_FLOOR = 256 << 20  # bytes: a recurrent model's states or a fleet's index may exceed a chunk
+
+
 def _spiller(args, engine: Engine, ctx: int) -> KVSpiller | None:
+    if not (args.kv_store or args.kv_cache_dir):
+        return None
     cache = engine.new_cache(1)
     budget = args.kv_disk_slots * ctx * cache.bytes_per_token
-    store = open_store(redis_url=args.kv_store, directory=args.kv_cache_dir, max_bytes=budget)
-    return KVSpiller(store, engine.fingerprint, args.kv_chunk) if store is not None else None
+    from shared.default_model import cache_dir
+    secret = read_secret(args.kv_secret, "--kv-secret") if args.kv_secret else machine_kv_secret(cache_dir())
+    store = open_store(redis_url=args.kv_store, directory=args.kv_cache_dir, max_bytes=budget, secret=secret,
+                       record_limit=max(RECORD_LIMIT_FLOOR, 2 * args.kv_chunk * cache.bytes_per_token),
+                       password=args.kv_store_password,
+                       on_reject=metrics.KV_CHUNKS.labels("rejected").inc)
+    return KVSpiller(store, engine.fingerprint, args.kv_chunk)
+
+
+def _wire(args) -> ServerKeys | None:
+    """The CURVE keys --wire-key and --wire-allow name; None for a wire in the clear, which a
+    non-loopback endpoint gets only with --wire-insecure."""
+    if not args.wire_key:
+        if args.wire_allow:
+            raise LmserveError("--wire-allow needs --wire-key: the worker's own secret key")
+        if not args.wire_insecure and not is_loopback_endpoint(args.worker):
+            raise LmserveError(f"{args.worker} is reachable from other machines, and without --wire-key anyone "
+                               "there could use this worker: give it --wire-key and --wire-allow (lmserve keys "
+                               "writes them), or --wire-insecure to serve the wire in the clear")
+        return None
+    public, secret = secret_key(args.wire_key, "--wire-key")
+    allowed = public_keys(args.wire_allow, "--wire-allow")
+    if not allowed:
+        raise LmserveError("--wire-key needs --wire-allow: the public keys of the gateways to answer")
+    return ServerKeys(public, secret, frozenset(allowed))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     status = StatusWriter(args.status_fd) if args.status_fd is not None else None
     fix_mmap_threshold()
     try:
+        wire = _wire(args)  # before loading: a worker that would refuse its endpoint says so at once
         from shared.default_model import resolve_model
         path = resolve_model(model_argument(parser, args))
         threads = kernels.set_threads(args.threads or None)
@@ -169,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         fleet = _fleet(args, engine, ctx, spiller) if args.fleet else None
         server = WorkerServer(engine, WorkerSettings(
             spiller=spiller, chat_template=_read_template(args.chat_template),
-            endpoint=args.worker, heartbeat_timeout=args.heartbeat_timeout,
+            endpoint=args.worker, heartbeat_timeout=args.heartbeat_timeout, wire=wire,
             scheduler=SchedulerSettings(ctx=ctx, queue=args.queue, batch=args.batch,
                                         kv_slots=kv_slots,
                                         prefill_chunk=args.prefill_chunk, threads=threads,

@@ -29,7 +29,8 @@ BATCH = Histogram("lmserve_worker_batch_streams", "Streams in the forward pass o
 STEP_TOKENS = Counter("lmserve_worker_step_tokens", "Tokens fed to forward passes, by phase", ["phase"])
 KV_CHUNKS = Counter("lmserve_worker_kvstore_chunks", "KV store chunks by event: restored (a hit), missed "
                     "(asked for, not restored: absent or unusable), written (spilled), dropped (the write "
-                    "queue was full)", ["event"])
+                    "queue was full), rejected (read back forged, altered, moved, oversized, not a regular "
+                    "file, or holding values no model writes)", ["event"])
 KV_BYTES = Counter("lmserve_worker_kvstore_bytes", "KV bytes moved to and from the KV store", ["direction"])
 FLEET_CHOICES = Counter("lmserve_worker_fleet_choices", "A fleet's choices of a conversation's cartridges: new (a "
                         "conversation not seen before), kept (a later turn), switched (--rag-adaptive)", ["how"])

@@ -271,7 +271,7 @@ class Scheduler:
             return
         for slot in self.pool.slots:
             if not slot.busy and slot.cache.length:
-                self.spiller.spill(slot.cache)
+                self.spiller.spill(slot.cache, slot.namespace)
         self.spiller.close()
 
     def _validate(self, gateway: bytes, request: Generate) -> Stream:
@@ -410,7 +410,7 @@ class Scheduler:
                 held = self._held(stream)
                 # a prompt to score is computed whole: it takes the least recently used slot
                 floor = len(held) if stream.scores is not None else stream.prefix
-                choice = self.pool.acquire(held, stream.request.cache_hint, floor)
+                choice = self.pool.acquire(held, stream.request.cache_hint, floor, stream.request.namespace)
                 if choice is None:
                     return
                 self.waiting.popleft()
@@ -427,7 +427,7 @@ class Scheduler:
                 stream.slot.cache.truncate(0)
             elif self.spiller is not None:
                 try:
-                    cached = self.spiller.restore(stream.slot.cache, held, cached)
+                    cached = self.spiller.restore(stream.slot.cache, held, cached, stream.slot.namespace)
                 except Exception:
                     log.exception("restoring KV for %s failed; computing it instead", stream.request.request_id)
                     cached = stream.slot.cache.length  # what is still valid of what it held
@@ -533,7 +533,7 @@ class Scheduler:
 
     def _spill(self, stream: Stream) -> None:
         try:
-            self.spiller.spill(stream.slot.cache)
+            self.spiller.spill(stream.slot.cache, stream.slot.namespace)
         except Exception:
             log.exception("spilling KV of %s failed", stream.request.request_id)
 

@@ -40,6 +40,7 @@ from shared.protocol import (
     version_mismatch_message,
 )
 from shared.errors import InvalidRequestError
+from shared.wire_security import ServerKeys, secure_server
 from worker.capabilities import convention, has_reasoning_switch, tool_call_tags
 from worker.engine import Engine
 from worker.grammar import GrammarEngine
@@ -57,6 +58,7 @@ class WorkerSettings:
     heartbeat_timeout: float = HEARTBEAT_TIMEOUT
     spiller: KVSpiller | None = None
     chat_template: str | None = None  # --chat-template: replaces the file's own (or supplies one)
+    wire: ServerKeys | None = None  # CURVE keys: the wire encrypted, answering only allowed gateways
 
     def __post_init__(self) -> None:
         if self.scheduler is None:
@@ -71,6 +73,8 @@ class WorkerServer:
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished peer drops its messages
+        if settings.wire is not None:
+            secure_server(self.router, settings.wire)
         self.router.bind(settings.endpoint)
         self.outbox_address = f"inproc://outbox-{id(self)}"
         self.outbox = self.context.socket(zmq.PULL)

@@ -146,8 +146,12 @@ def _parse(body: dict[str, Any], view: ModelView, headers: Any, counting: bool) 
 
 
 def _max_tokens(body: dict[str, Any]) -> int:
-    field(body, "max_tokens", int, required=True)
+    """Required. Claude Code asks for a length of its own whatever a server's context is: one
+    beyond the room the prompt leaves is capped, the reply then ending with
+    ``model_context_window_exceeded``, as Anthropic's API answers one beyond the model's window."""
     value = max_tokens_field(body, "max_tokens")
+    if value is None:
+        field(body, "max_tokens", int, required=True)  # 'max_tokens' is required
     assert value is not None
     return value
 

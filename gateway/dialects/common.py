@@ -83,14 +83,36 @@ def stop_list(value: Any, param: str, limit: int = 16) -> list[str]:
     return [s for s in value if s]
 
 
-def max_tokens_field(body: dict[str, Any], *keys: str) -> int | None:
+INT64_MAX = (1 << 63) - 1
+
+
+def max_tokens_field(body: dict[str, Any], *keys: str, context: int | None = None) -> int | None:
+    """The first of ``keys`` the body holds: an integer from 1 up. With ``context`` (the
+    OpenAI dialects, whose API refuses a reply length beyond what the model can write), one
+    above the model's context budget is a 400; below it, generation caps it at the room the
+    prompt leaves (gateway/generation.py). Past 64 bits it is a 400 in every dialect."""
     for key in keys:
+        if isinstance(body.get(key), float):  # 1e50 or 16.0: named by its value, not as "a number"
+            raise InvalidRequestError(f"'{key}' must be an integer, got {body[key]:g}", param=key)
         value = field(body, key, int)
-        if value is not None:
-            if value < 1:
-                raise InvalidRequestError(f"'{key}' must be at least 1, got {value}", param=key)
-            return value
+        if value is None:
+            continue
+        if value < 1:
+            raise InvalidRequestError(f"'{key}' must be at least 1, got {value}", param=key)
+        if context is not None and value > context:
+            raise InvalidRequestError(
+                f"'{key}' is {_shown(value)}; this model's context is {context} tokens, prompt and reply "
+                f"together, so a reply has at most {context}", param=key, code="invalid_value")
+        if value > INT64_MAX:
+            raise InvalidRequestError(f"'{key}' is {_shown(value)}, beyond the 64-bit integers this server "
+                                      f"takes; a reply stops at the end of the context anyway", param=key)
+        return value
     return None
+
+
+def _shown(value: int) -> str:
+    digits = str(value)
+    return digits if len(digits) <= 24 else f"a number of {len(digits)} digits"
 
 
 def logprob_entries(items: list[TokenLogprob]) -> list[dict[str, Any]]:

@@ -103,7 +103,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         dialect=CHAT,
         model=field(body, "model", str, default=view.model_id),
         messages=messages,
-        max_tokens=max_tokens_field(body, "max_completion_tokens", "max_tokens"),
+        max_tokens=max_tokens_field(body, "max_completion_tokens", "max_tokens", context=view.context_budget),
         sampling=sampling,
         stop=stop_list(body.get("stop"), "stop"),
         tools=[_tool(t, i) for i, t in enumerate(field(body, "tools", list, default=[]))],

@@ -83,7 +83,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
     sampling = openai_sampling(body, view, logprobs is not None, logprobs or 0)
     # max_tokens 0 with echo: the prompt alone, scored (its logprobs computed either way)
     scoring_only = echo and field(body, "max_tokens", int) == 0
-    max_tokens = 0 if scoring_only else max_tokens_field(body, "max_tokens")
+    max_tokens = 0 if scoring_only else max_tokens_field(body, "max_tokens", context=view.context_budget)
     return NeutralRequest(
         dialect=COMPLETIONS,
         model=field(body, "model", str, default=view.model_id),

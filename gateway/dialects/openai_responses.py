@@ -262,7 +262,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
                              ("tool_choice", tools.forced_custom_grammar(tool_choice)))
     metadata = field(body, "metadata", dict, default={})
     field(body, "client_metadata", dict)
-    max_output_tokens = max_tokens_field(body, "max_output_tokens")
+    max_output_tokens = max_tokens_field(body, "max_output_tokens", context=view.context_budget)
     parallel = bool(field(body, "parallel_tool_calls", bool, default=True))
     cache_key = field(body, "prompt_cache_key", str)
     echo = {

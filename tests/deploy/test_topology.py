@@ -1,5 +1,6 @@
 """The docker-compose topology, run for real with processes on loopback ports: Redis, one worker,
-three gateways and Debian's nginx in front, configured from deploy/nginx.conf.
+three gateways and Debian's nginx in front, configured from deploy/nginx.conf, and secured as
+compose secures it: keys from ``lmserve keys``, a CURVE wire, a Redis password.
 
 What must hold: streams in all three dialects pass through nginx, spread over the gateways; a
 gateway killed mid-run costs at most the streams it was serving; a restarted worker is found
@@ -20,9 +21,13 @@ import httpx
 import openai
 import pytest
 import redis as redis_client
+import zmq.auth
 from access_logs import access_entries
 from conftest import GatewayProcess, WorkerProcess, wait_until
 from deploy_helpers import NginxProcess
+
+from launcher.cli import main as lmserve
+from shared.wire_security import ClientKeys
 
 QUESTION = [{"role": "user", "content": "Name the capital city of France."}]
 
@@ -43,10 +48,19 @@ class Topology:
 
 @pytest.fixture(scope="module")
 def topology(start_redis, start_worker, start_gateway, default_model, tmp_path_factory):
-    redis = start_redis()
+    keys = tmp_path_factory.mktemp("keys")
+    assert lmserve(["keys", "--dir", str(keys), "worker", "gateway", "--kv-secret", str(keys / "kv-secret"),
+                    "--redis-password", str(keys / "redis-password")]) == 0
+    password = (keys / "redis-password").read_text().strip()
+    redis = start_redis(password=password)
+    public, secret = zmq.auth.load_certificate(keys / "gateway.key_secret")
+    wire = ClientKeys(public, secret, zmq.auth.load_certificate(keys / "worker.key")[0])
     worker = start_worker(default_model, "--batch", "4", "--kv-slots", "4", "--ctx", "1024",
-                          "--kv-store", redis.url)
-    gateways = [start_gateway(worker, "--log-format", "json", wait=False) for _ in range(3)]
+                          "--kv-store", redis.url.replace("redis://", f"redis://:{password}@"),
+                          "--wire-key", str(keys / "worker.key_secret"), "--wire-allow", str(keys / "gateway.key"),
+                          "--kv-secret", str(keys / "kv-secret"), wire=wire)
+    gateways = [start_gateway(worker, "--log-format", "json", "--wire-key", str(keys / "gateway.key_secret"),
+                              "--worker-key", str(keys / "worker.key"), wait=False) for _ in range(3)]
     for gateway in gateways:  # started together, awaited together
         gateway.wait_ready()
     nginx = NginxProcess(tmp_path_factory.mktemp("nginx"), [f"127.0.0.1:{g.port}" for g in gateways]).start()
@@ -81,7 +95,10 @@ def _messages_stream(top: Topology) -> tuple[str, str]:
 
 
 def test_redis_is_up_beside_the_stack(topology):
-    assert redis_client.Redis.from_url(topology.redis.url, socket_timeout=5).ping() is True
+    with pytest.raises(redis_client.exceptions.AuthenticationError):  # no password, no entry
+        redis_client.Redis.from_url(topology.redis.url, socket_timeout=5).ping()
+    assert redis_client.Redis.from_url(topology.redis.url, password=topology.redis.password,
+                                       socket_timeout=5).ping() is True
 
 
 def test_streams_in_three_dialects_spread_over_the_gateways(topology):

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import re
 import struct
+import subprocess
+import sys
 
 import gguf
 import numpy as np
 import pytest
+from conftest import REPO
 from tiny_models import write_tiny_gguf
 
 from shared.errors import ModelLoadError
 from worker.engine.archs import load_model
-from worker.engine.gguf_file import DECODABLE_TYPES, GGUFFile
+from worker.engine.gguf_file import DECODABLE_TYPES, GGUFFile, HeaderCursor
 
 BLOCK_TYPES = sorted((t for t in DECODABLE_TYPES if gguf.GGML_QUANT_SIZES[t][0] > 1), key=lambda t: t.name)
 
@@ -133,3 +137,82 @@ def test_wrong_shape_is_named(tmp_path):
     gguf_file.metadata["llama.feed_forward_length"] = 64  # what the file claims vs what it holds
     with pytest.raises(ModelLoadError, match=r"ffn_gate.weight.*has shape \(96, 64\), expected \(64, 64\)"):
         load_model(gguf_file)
+
+
+def _with_metadata(source, target, key: str, value: bytes) -> None:
+    """Copy a GGUF with one more metadata entry (``value``: its type id and bytes), the header
+    padded again so the tensor data keeps its alignment."""
+    data = source.read_bytes()
+    header = HeaderCursor(data)
+    header.pos = 8
+    n_tensors, n_kv = header.scalar("<Q"), header.scalar("<Q")
+    for _ in range(n_kv):
+        header.string()
+        header.value(header.scalar("<I"))
+    kv_end = header.pos
+    for _ in range(n_tensors):
+        header.string()
+        n_dims = header.scalar("<I")
+        header.pos += 8 * n_dims + 4 + 8  # dims, type, offset
+    data_start = -(-header.pos // 32) * 32
+    entry = struct.pack("<Q", len(key)) + key.encode() + value
+    head = data[:16] + struct.pack("<Q", n_kv + 1) + data[24:kv_end] + entry + data[kv_end:header.pos]
+    target.write_bytes(head + bytes(-len(head) % 32) + data[data_start:])
+
+
+def _nested_vocab_size(source, target) -> None:
+    """llama.vocab_size, which the loader reads, as an array holding one array of one uint32."""
+    array, uint32 = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32
+    _with_metadata(source, target, "llama.vocab_size",
+                   struct.pack("<IIQIQI", array, array, 1, uint32, 1, 49152))
+
+
+def _huge_embedding(source, target) -> None:
+    """token_embd.weight declared 2^40 x 2^40 (its element count wraps to 0 in int64)."""
+    data = bytearray(source.read_bytes())
+    name = b"token_embd.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    struct.pack_into("<IQQ", data, at, 2, 1 << 40, 1 << 40)
+    target.write_bytes(bytes(data))
+
+
+def test_a_nested_metadata_array_is_named(tiny_llama, tmp_path):
+    _nested_vocab_size(tiny_llama, tmp_path / "nested.gguf")
+    with pytest.raises(ModelLoadError, match=r"nested.gguf: metadata key 'llama.vocab_size' holds an array of arrays"):
+        GGUFFile(tmp_path / "nested.gguf")
+
+
+def test_a_tensor_larger_than_its_file_is_named(tiny_llama, tmp_path):
+    _huge_embedding(tiny_llama, tmp_path / "huge.gguf")
+    with pytest.raises(ModelLoadError, match=r"'token_embd.weight'.*\(1099511627776, 1099511627776\).*more than "
+                                             r"the whole file"):
+        GGUFFile(tmp_path / "huge.gguf")
+
+
+@pytest.mark.parametrize("key, value", [("llama.block_count", "two"), ("llama.context_length", [])])
+def test_a_hyperparameter_of_the_wrong_type_is_named(tiny_llama, key, value):
+    gguf_file = GGUFFile(tiny_llama)
+    gguf_file.metadata[key] = value
+    with pytest.raises(ModelLoadError, match=re.escape(f"{key} is {value!r}, not a number")):
+        load_model(gguf_file)
+
+
+def test_impossible_metadata_deep_in_a_family_is_one_line(tiny_llama):
+    gguf_file = GGUFFile(tiny_llama)
+    gguf_file.metadata["llama.attention.head_count"] = 0
+    with pytest.raises(ModelLoadError, match=r"does not describe a llama model lmserve can build \(ZeroDivisionError"):
+        load_model(gguf_file)
+
+
+@pytest.mark.parametrize("command", ["worker", "generate"])
+@pytest.mark.parametrize("craft, culprit", [(_nested_vocab_size, "'llama.vocab_size'"),
+                                            (_huge_embedding, "'token_embd.weight'")])
+def test_the_commands_report_a_crafted_file_in_one_line(tiny_llama, tmp_path, command, craft, culprit):
+    crafted = tmp_path / "crafted.gguf"
+    craft(tiny_llama, crafted)
+    extra = ["--worker", "tcp://127.0.0.1:1"] if command == "worker" else ["--prompt", "hi", "--max-tokens", "1"]
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", command, str(crafted), *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"lmserve {command}: ") and str(crafted) in lines[0] and culprit in lines[0]

@@ -85,6 +85,30 @@ def test_a_stream_the_client_leaves_is_logged_when_it_ends(json_gateway):
     assert entry["finish"] is None  # never finished: cut by the client
 
 
+def test_a_whole_reply_the_client_leaves_is_an_access_line_not_an_error(json_gateway):
+    """A client that gives up on a non-streamed reply (its timeout runs out) ends the request: the
+    gateway logs it as a 499 access line, with no ERROR and no CancelledError traceback."""
+    body = {"model": "m", "messages": PARIS, "max_tokens": 400, "logit_bias": {"0": -100, "2": -100}}
+    before = len(_access_entries(json_gateway))
+    log_size = json_gateway.log_path.stat().st_size
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(json_gateway.url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer k"},
+                   timeout=httpx.Timeout(10, read=1.0))
+    assert wait_until(lambda: len(_access_entries(json_gateway)) > before)
+    entry = _access_entries(json_gateway)[-1]
+    assert (entry["path"], entry["status"], entry["stream"], entry["finish"]) == ("/v1/chat/completions", 499,
+                                                                                 False, None)
+    # the worker was told: the next request is served at once, not after 400 tokens
+    answer = httpx.post(json_gateway.url + "/v1/chat/completions", headers={"authorization": "Bearer k"},
+                        json={"model": "m", "messages": PARIS, "max_tokens": 2}, timeout=60)
+    assert answer.status_code == 200
+    with json_gateway.log_path.open("rb") as log:
+        log.seek(log_size)
+        written = log.read().decode("utf-8", errors="replace")
+    levels = [json.loads(line).get("level") for line in written.splitlines() if line.startswith("{")]
+    assert "error" not in levels and "Traceback" not in written and "CancelledError" not in written, written[-3000:]
+
+
 def test_text_lines_are_one_readable_line_per_request(stack):
     httpx.post(stack.url + "/v1/chat/completions", json={"model": "m", "messages": PARIS, "max_tokens": 3},
                timeout=60).raise_for_status()

@@ -222,6 +222,76 @@ def test_a_logit_bias_key_beyond_the_vocabulary_is_a_400(stack):
         assert error["param"] == "logit_bias" and "token ids of this model" in error["message"]
 
 
+# --- reply lengths beyond the context ------------------------------------------------------------
+
+SAY_HI = [{"role": "user", "content": "Say hi."}]
+
+
+def _budget(stack) -> int:
+    return httpx.get(stack.url + "/v1/models", timeout=10).json()["data"][0]["context_length"]
+
+
+def _openai_call(client: openai.OpenAI, field: str, value):
+    if field == "max_output_tokens":
+        return client.responses.create(model="m", input="Say hi.", temperature=0, max_output_tokens=value)
+    if field == "completions.max_tokens":
+        return client.completions.create(model="m", prompt="Say hi.", temperature=0, max_tokens=value)
+    return client.chat.completions.create(model="m", messages=SAY_HI, temperature=0, **{field: value})
+
+
+OPENAI_LENGTH_FIELDS = ["max_tokens", "max_completion_tokens", "completions.max_tokens", "max_output_tokens"]
+
+
+@pytest.mark.parametrize("field", OPENAI_LENGTH_FIELDS)
+@pytest.mark.parametrize("value", ["budget+1", 2**63 - 1, 2**64, 10**50])
+def test_a_reply_length_beyond_the_context_is_a_400_in_the_openai_dialects(stack, field, value):
+    """OpenAI's API refuses a reply length the model cannot write; here the limit is the context
+    budget (a length within it is capped at the room the prompt leaves, as before)."""
+    budget = _budget(stack)
+    value = budget + 1 if value == "budget+1" else value
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    with pytest.raises(openai.BadRequestError) as refused:
+        _openai_call(client, field, value)
+    key = field.split(".")[-1]
+    error = refused.value.body
+    assert error["param"] == key and error["code"] == "invalid_value" and error["type"] == "invalid_request_error"
+    shown = str(value) if value < 10**24 else "a number of 51 digits"
+    assert error["message"] == (f"'{key}' is {shown}; this model's context is {budget} tokens, prompt and reply "
+                                f"together, so a reply has at most {budget}")
+
+
+@pytest.mark.parametrize("field", OPENAI_LENGTH_FIELDS)
+def test_a_reply_length_that_is_no_integer_is_a_400_naming_it(stack, field):
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    with pytest.raises(openai.BadRequestError) as refused:
+        _openai_call(client, field, 1e50)
+    key = field.split(".")[-1]
+    assert (refused.value.body["param"], refused.value.body["message"]) == (key, f"'{key}' must be an integer, got 1e+50")
+
+
+def test_a_reply_length_up_to_the_context_is_capped_as_before(stack):
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    answer = client.chat.completions.create(model="m", messages=SAY_HI, temperature=0, max_tokens=_budget(stack))
+    assert answer.choices[0].finish_reason == "stop" and answer.usage.completion_tokens < 40
+
+
+def test_claude_codes_reply_length_is_capped_and_only_absurd_ones_refused(stack, anthropic_client):
+    """Claude Code asks for its own length whatever the server's context: anything up to 64 bits is
+    capped at the room the prompt leaves (the reply would end model_context_window_exceeded);
+    beyond 64 bits, or not an integer, it is a 400 in Anthropic's envelope."""
+    for value in (_budget(stack) + 1, 64000, 2**63 - 1):
+        reply = anthropic_client.messages.create(model="m", messages=SAY_HI, max_tokens=value, timeout=120,
+                                                 extra_body={"temperature": 0})
+        assert reply.stop_reason == "end_turn"
+    for value, words in ((2**64, "'max_tokens' is 18446744073709551616, beyond the 64-bit integers"),
+                         (10**50, "'max_tokens' is a number of 51 digits, beyond the 64-bit integers"),
+                         (1e50, "'max_tokens' must be an integer, got 1e+50")):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            anthropic_client.messages.create(model="m", messages=SAY_HI, max_tokens=value, timeout=60)
+        error = refused.value.body["error"]
+        assert error["type"] == "invalid_request_error" and error["message"].startswith(words)
+
+
 # --- grammars that cannot work -----------------------------------------------------------------
 
 @pytest.mark.parametrize(("grammar", "fragment"), [

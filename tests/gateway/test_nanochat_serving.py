@@ -110,7 +110,7 @@ def test_responses_and_anthropic_get_the_call_in_their_shapes(nanochat_stack, oa
 def test_a_forced_call_is_a_calculator_call(oai):
     """Nothing scripted: under tool_choice required the model can only write a calculator call."""
     reply = oai.chat.completions.create(model="nanochat", messages=[user("Compute something.")], tools=CHAT_TOOLS,
-                                        tool_choice="required", parallel_tool_calls=False, max_tokens=300,
+                                        tool_choice="required", parallel_tool_calls=False, max_tokens=256,
                                         temperature=0).choices[0]
     assert reply.finish_reason == "tool_calls", reply
     [call] = reply.message.tool_calls

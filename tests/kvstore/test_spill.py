@@ -60,6 +60,19 @@ def test_restore_continues_a_resident_prefix_and_leaves_one_token(engine, tmp_pa
     spiller.close()
 
 
+def test_a_tenant_restores_only_the_chunks_it_spilled(engine, tmp_path):
+    spiller = KVSpiller(DirectoryStore(tmp_path / "kv", 1 << 30), engine.fingerprint, chunk_tokens=32)
+    prompt = list(range(900, 1030))  # 130 tokens: four chunks
+    cache = engine.model.new_cache(256)
+    engine.prefill(cache, prompt)
+    assert spiller.spill(cache, namespace="alice") == 4
+    assert spiller.flush()
+    assert spiller.restore(engine.model.new_cache(256), prompt, 0, namespace="bob") == 0
+    assert spiller.restore(engine.model.new_cache(256), prompt, 0) == 0  # nor the shared namespace
+    assert spiller.restore(engine.model.new_cache(256), prompt, 0, namespace="alice") == 128
+    spiller.close()
+
+
 class HeldStore(DirectoryStore):
     """A directory store whose writes wait until the test lets them through."""
 

@@ -15,7 +15,8 @@ from shared.command_line import EnvParser, env_name
 from worker.flags import build_parser as worker_parser
 
 ROLES = {"serve": serve_parser, "worker": worker_parser, "gateway": gateway_parser}
-SERVE_SETS_ITSELF = {"--status-fd"}  # the pipe between lmserve serve and its worker
+# the pipe between lmserve serve and its worker, and the wire's keys, made for each run
+SERVE_SETS_ITSELF = {"--status-fd", "--wire-key", "--wire-allow", "--wire-insecure", "--worker-key"}
 
 
 pytestmark = pytest.mark.usefixtures("no_lmserve_environment")

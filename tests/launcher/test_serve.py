@@ -10,11 +10,17 @@ import sys
 import threading
 import time
 
+import re
+
 import httpx
+import msgpack
 import psutil
+import zmq
 from conftest import wait_until
 import pytest
 from conftest import REPO, free_port
+
+from shared.protocol import PROTOCOL_VERSION
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +118,15 @@ class Served:
         return psutil.Process(self.proc.pid).children(recursive=True)
 
     def role_pids(self, role: str) -> set[int]:
-        return {c.pid for c in self.children() if role in c.cmdline()[3:5]}
+        """The living children of a role (one just killed may linger as a zombie until reaped)."""
+        pids = set()
+        for child in self.children():
+            try:
+                if role in child.cmdline()[3:5]:
+                    pids.add(child.pid)
+            except psutil.Error:
+                continue
+        return pids
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -226,16 +240,60 @@ def test_two_workers_behind_two_gateways(serve_factory, default_model):
     assert not alive, f"orphaned: {alive}"
 
 
-def test_a_dying_child_stops_the_stack_and_is_named(serve_factory, default_model):
-    served = serve_factory("--gateways", "2")
+def _raw_hello(endpoint: str) -> bool:
+    """Whether a plain ZeroMQ peer saying HELLO hears anything back."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart([b"H", msgpack.packb({"version": PROTOCOL_VERSION, "gateway": "outsider"})])
+        return bool(sock.poll(3000))
+    finally:
+        sock.close(0)
+
+
+def test_a_killed_worker_or_gateway_is_restarted_while_the_others_serve(serve_factory, default_model):
+    served = serve_factory("--workers", "2", "--api-key", "the-key")
     served.wait_ready()
-    children = served.children()
-    (worker,) = served.role_pids("worker")
-    os.kill(worker, signal.SIGKILL)
-    assert served.proc.wait(60) == 1
-    _, alive = psutil.wait_procs(children, timeout=15)
-    assert not alive
-    assert f"the worker (pid {worker}) was killed by SIGKILL; stopping the others" in served.stderr.decode()
+    key = {"Authorization": "Bearer the-key"}
+    # /health without the key says ready, and nothing about workers, endpoints or hosts
+    assert httpx.get(served.url + "/health", timeout=10).json() == {"status": "ok"}
+    assert len(httpx.get(served.url + "/health", headers=key, timeout=10).json()["workers"]) == 2
+    # the workers' wire answers no one but the stack's own gateway
+    endpoints = re.search(r"2 workers (\S+)\)", "".join(served.stdout)).group(1).split(",")
+    assert len(endpoints) == 2 and not any(_raw_hello(e) for e in endpoints)
+
+    def ask() -> int:
+        response = httpx.post(served.url + "/v1/chat/completions", headers=key, timeout=120, json={
+            "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4})
+        return response.status_code
+
+    victim = min(served.role_pids("worker"))
+    os.kill(victim, signal.SIGKILL)
+    statuses = [ask() for _ in range(6)]  # meanwhile, the other worker serves every request
+    assert statuses == [200] * 6
+    assert wait_until(lambda: b"is back" in served.stderr, timeout=120)
+    stderr = served.stderr.decode()
+    assert re.search(rf"worker \d \(pid {victim}\) was killed by SIGKILL; the others go on, restarting it", stderr)
+    workers = served.role_pids("worker")
+    assert len(workers) == 2 and victim not in workers
+
+    def both_ready() -> bool:
+        health = httpx.get(served.url + "/health", headers=key, timeout=10).json()
+        return sum(w["ready"] for w in health["workers"]) == 2
+    assert wait_until(both_ready, timeout=60)
+
+    (gateway,) = served.role_pids("gateway")
+    os.kill(gateway, signal.SIGKILL)
+    assert wait_until(lambda: served.role_pids("gateway") - {gateway}, timeout=30)
+
+    def answering() -> bool:
+        try:
+            return ask() == 200
+        except httpx.HTTPError:
+            return False
+    assert wait_until(answering, timeout=60)
+    assert served.proc.poll() is None  # the command itself went on throughout
 
 
 def test_children_do_not_outlive_a_killed_parent(serve_factory, default_model):

@@ -15,7 +15,7 @@ from tiny_models import write_tiny_gguf
 from shared.errors import ModelLoadError
 from shared.protocol import Finished, Generate, Tokens
 from shared.sampling_params import SamplingParams
-from worker.cartridge import Cartridge, from_document, write
+from worker.cartridge import Cartridge, from_document, write, write_arrays
 from worker.engine import Engine
 from worker.scheduler import Scheduler, SchedulerSettings
 
@@ -133,6 +133,24 @@ def test_a_cartridge_for_another_model_is_refused(tiny, tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
     with pytest.raises(ModelLoadError, match="not an lmserve cartridge"):
         Cartridge.load(tmp_path / "junk.safetensors", Engine.load(tmp_path / "llama.gguf"))
+
+
+@pytest.mark.parametrize("tensor, poison", [("values.1", np.nan), ("keys.0", np.inf), ("keys.1", -np.inf)])
+def test_a_cartridge_holding_nan_or_inf_is_refused_naming_the_tensor(tiny, tmp_path, tensor, poison):
+    """Served, such a prefix turns every reply's attention into NaN and the reply comes out empty:
+    it is refused at load in one line that names the file and the tensor."""
+    _, engine, _ = tiny
+    cache, tokens = from_document(engine, DOCUMENT, 8)
+    keys = [cache.keys[i][:, :tokens].copy() for i in range(cache.n_layer)]
+    values = [cache.values[i][:, :tokens].copy() for i in range(cache.n_layer)]
+    name, layer = tensor.split(".")
+    (keys if name == "keys" else values)[int(layer)][0, 3, 5] = poison
+    bad = tmp_path / "poisoned.safetensors"
+    write_arrays(bad, engine, keys, values, tokens, "test")
+    with pytest.raises(ModelLoadError) as refused:
+        Cartridge.load(bad, engine)
+    message = refused.value.message
+    assert str(bad) in message and f"{tensor} holds NaN or infinite values" in message and "\n" not in message
 
 
 def test_chunk_keys_carry_the_cartridge(tiny, tmp_path):

@@ -482,3 +482,39 @@ def test_a_request_from_an_ungreeted_gateway_is_sent_back_for_hello(sequential_w
         assert isinstance(reply, Rejected) and reply.kind == HELLO_FIRST and reply.request_id == "never-greeted-1"
     finally:
         dealer.close(0)
+
+
+@pytest.mark.parametrize("body, request_id, words", [
+    ({"request_id": {"not": "a string"}, "max_tokens": 2}, "", "request_id must be a string, not a map"),
+    ({"request_id": "typed-1", "max_tokens": "2"}, "typed-1", "max_tokens must be an integer, not a string"),
+    ({"request_id": "typed-2", "sampling": {"top_k": [40]}}, "typed-2", "sampling.top_k must be an integer, not a list"),
+    ({"request_id": "typed-3", "stop_ids": [2, {}]}, "typed-3", "stop_ids[1] must be an integer, not a map"),
+])
+def test_a_malformed_generate_is_rejected_naming_the_field(sequential_worker, body, request_id, words):
+    """Sent by a greeted gateway over the real wire, a GENERATE with a field of the wrong type is
+    answered REJECTED (under "" when its request id is no string), and the worker serves on."""
+    from shared.protocol import ModelCard, Rejected, decode
+
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(sequential_worker.endpoint)
+
+    def reply(kind: type) -> object:
+        deadline = time.monotonic() + 30
+        while dealer.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            message = decode(dealer.recv_multipart())
+            if isinstance(message, kind):
+                return message
+        raise AssertionError(f"no {kind.__name__} within 30 s")
+
+    try:
+        dealer.send_multipart(Hello(gateway="raw-dealer").frames())
+        reply(ModelCard)
+        dealer.send_multipart([MsgType.GENERATE.value, msgpack.packb(body), np.array([1, 2, 3], "<i4").tobytes()])
+        rejected = reply(Rejected)
+        assert (rejected.request_id, rejected.status, rejected.message) == (request_id, 400, words)
+        dealer.send_multipart(Generate("after-it", [1, 2, 3], max_tokens=1).frames())
+        assert reply(Accepted).request_id == "after-it"
+        assert reply(Finished).request_id == "after-it"  # done before the next case's gateway asks
+    finally:
+        dealer.close(0)

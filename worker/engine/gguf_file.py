@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import math
 import mmap
 import os
 import struct
@@ -83,7 +84,7 @@ class TensorInfo:
 
     @property
     def n_values(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)  # Python ints: a crafted shape must not wrap around to a small count
 
     @property
     def n_bytes(self) -> int:
@@ -91,6 +92,10 @@ class TensorInfo:
             return q2_0.n_bytes(self.n_values, self.shape[-1], self.q2_0_block or 64) or 0
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(self.type_id)]
         return self.n_values // block * size
+
+
+class NestedArrayError(ValueError):
+    """A metadata array whose items are arrays."""
 
 
 class HeaderCursor:
@@ -137,15 +142,15 @@ class HeaderCursor:
             count = self.scalar("<Q")
             if item_kind == GGUFValueType.STRING:
                 return self.strings(count)
-            if item_kind in _SCALAR_FORMATS:
-                fmt = _SCALAR_FORMATS[item_kind]
-                size = struct.calcsize(fmt) * count
-                if self.pos + size > len(self.data):
-                    raise struct.error("array runs past the end of the file")
-                items = np.frombuffer(self.data, dtype=np.dtype(fmt), count=count, offset=self.pos).tolist()
-                self.pos += size
-                return items
-            return [self.value(item_kind) for _ in range(count)]
+            if item_kind == GGUFValueType.ARRAY:  # no model needs one, and llama.cpp's reader refuses them
+                raise NestedArrayError("an array of arrays")
+            fmt = _SCALAR_FORMATS[item_kind]
+            size = struct.calcsize(fmt) * count
+            if self.pos + size > len(self.data):
+                raise struct.error("array runs past the end of the file")
+            items = np.frombuffer(self.data, dtype=np.dtype(fmt), count=count, offset=self.pos).tolist()
+            self.pos += size
+            return items
         return self.scalar(_SCALAR_FORMATS[kind])
 
 
@@ -176,6 +181,10 @@ class GGUFFile:
         for info in self._tensors.values():
             if _known_type(info.type_id) is None and info.type_id != q2_0.TYPE_ID:
                 continue  # reported when the tensor is asked for
+            if info.n_bytes > size:
+                raise ModelLoadError(
+                    f"tensor {info.name!r} in {self.path} declares shape {info.shape}: {info.n_bytes} bytes, "
+                    f"more than the whole file ({size} bytes)")
             end = self._data_start + info.offset + info.n_bytes
             if end > size:
                 raise ModelLoadError(
@@ -210,7 +219,11 @@ class GGUFFile:
         metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = header.string()
-            metadata[key] = header.value(header.scalar("<I"))
+            try:
+                metadata[key] = header.value(header.scalar("<I"))
+            except NestedArrayError as exc:
+                raise ModelLoadError(f"{self.path}: metadata key {key!r} holds {exc}, which lmserve (like "
+                                     "llama.cpp) does not read") from exc
         tensors: dict[str, TensorInfo] = {}
         for _ in range(n_tensors):
             name = header.string()

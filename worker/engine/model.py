@@ -94,9 +94,10 @@ def read_hparams(gguf: GGUFFile, arch: str, per_layer: frozenset[str] = frozense
         value = meta.get(f"{arch}.{key}", default)
         if value is None and required:
             raise ModelLoadError(f"{gguf.path} lacks the required key {arch}.{key}")
-        return value
-
-    def scalar(value: Any, key: str = "") -> Any:
+        # a crafted file's string or empty list is named here, not met as a TypeError further on
+        items = value if isinstance(value, list) else [value]
+        if value is not None and not (items and all(isinstance(v, (int, float)) for v in items)):
+            raise ModelLoadError(f"{gguf.path}: {arch}.{key} is {value!r:.60}, not a number (or one per layer)")
         # per-layer arrays are allowed by the format; most families use one value for all layers
         if isinstance(value, list) and key in per_layer:
             return max(value)
@@ -107,8 +108,8 @@ def read_hparams(gguf: GGUFFile, arch: str, per_layer: frozenset[str] = frozense
         return value
 
     n_embd = int(get("embedding_length", required=True))
-    n_head = int(scalar(get("attention.head_count", required=True)))
-    n_head_kv = int(scalar(get("attention.head_count_kv", n_head), "attention.head_count_kv"))
+    n_head = int(get("attention.head_count", required=True))
+    n_head_kv = int(get("attention.head_count_kv", n_head))
     head_dim = int(get("attention.key_length", n_embd // n_head))
     tokens = meta.get("tokenizer.ggml.tokens")
     n_vocab = int(get("vocab_size", len(tokens) if tokens else 0))
@@ -123,7 +124,7 @@ def read_hparams(gguf: GGUFFile, arch: str, per_layer: frozenset[str] = frozense
         n_head_kv=n_head_kv,
         head_dim=head_dim,
         value_dim=int(get("attention.value_length", head_dim)),
-        n_ff=int(scalar(get("feed_forward_length", 0), "feed_forward_length")),
+        n_ff=int(get("feed_forward_length", 0)),
         context_length=int(get("context_length", 4096)),
         rope_base=float(get("rope.freq_base", 10000.0)),
         rope_dims=int(get("rope.dimension_count", head_dim)),

@@ -37,4 +37,9 @@ def load_model(gguf: GGUFFile, exact: bool = False, kv_type: str = "f16") -> Dec
         raise ModelLoadError(
             f"{gguf.path}: architecture {arch!r} is not supported "
             f"(supported: {', '.join(sorted(ARCHITECTURES))})")
-    return model_class(gguf, exact, kv_type)
+    try:
+        return model_class(gguf, exact, kv_type)
+    except (TypeError, ValueError, ArithmeticError, LookupError) as exc:
+        # what a crafted file's values set off deep in a family's reading of them: one line, not a traceback
+        raise ModelLoadError(f"{gguf.path} does not describe a {arch} model lmserve can build "
+                             f"({type(exc).__name__}: {exc})") from exc
