@@ -192,6 +192,7 @@ class RedisStore:
         import redis
 
         self.url = url
+        self._refused = redis.exceptions.ResponseError  # a command Redis will not run on that key
         options = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
         if password and not redis.connection.parse_url(url).get("password"):
             options["password"] = password
@@ -239,7 +240,12 @@ class RedisStore:
         def fetch():
             pipe = self.client.pipeline(transaction=False)
             pipe.strlen(key + ":meta").getrange(key + ":meta", 0, META_LIMIT - 1).strlen(key + ":data")
-            meta_size, meta, data_size = pipe.execute()
+            try:
+                meta_size, meta, data_size = pipe.execute()
+            except self._refused as exc:  # a key of another type put in its place
+                self.rejections.report(key, f"Redis refused to read it ({exc})")
+                self.client.delete(key + ":meta", key + ":data")
+                return None
             if not meta_size:
                 return None
             if data_size == 0:
@@ -264,8 +270,10 @@ class RedisStore:
 
     def put(self, key: str, data: bytes, meta: bytes) -> None:
         def store():
-            self.client.set(key + ":data", data)
-            self.client.set(key + ":meta", LENGTH.pack(len(data)) + meta)
+            # one transaction: two workers writing one chunk never leave one's data under the other's metadata
+            pipe = self.client.pipeline(transaction=True)
+            pipe.set(key + ":data", data).set(key + ":meta", LENGTH.pack(len(data)) + meta)
+            pipe.execute()
         self._guard("write", store, None)
 
     def delete(self, key: str) -> None:
@@ -277,9 +285,14 @@ class DirectoryStore:
 
     When the budget is exceeded the least recently used chunks (by file time; reads touch it)
     are removed. Writes go through a temporary name and a rename, so a crash never leaves a
-    half-written record under a real name. Reads open only regular files this user owns (never
-    through a symlink, never a FIFO or a device), of the size the metadata states.
+    half-written record under a real name. Nothing here follows a symlink: each folder is opened
+    without following one, and every file is opened, renamed and removed relative to it; reads
+    take only regular files this user owns, of the size the metadata states. Anything else found
+    in the tree (a link, a FIFO, a device, a folder where a file should be) is a miss, never an
+    error, and is counted nowhere in the budget.
     """
+
+    FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
     def __init__(self, directory: str | os.PathLike, max_bytes: int, record_limit: int | None = None,
                  rejections: Rejections | None = None):
@@ -289,10 +302,15 @@ class DirectoryStore:
         self.record_limit = min(record_limit or max_bytes, max_bytes)
         self.rejections = rejections or Rejections()
         self._lock = threading.Lock()
-        self._used = sum(p.stat().st_size for p in self.root.glob("*/*.data"))
+        self._used = sum(size for _, size, _, _ in self._data_files())
 
     def describe(self) -> str:
         return f"directory {self.root} (budget {self.max_bytes / 2**20:.0f} MiB)"
+
+    @property
+    def used(self) -> int:
+        """Bytes of chunk data counted against the budget."""
+        return self._used
 
     def files(self, key: str) -> tuple[Path, Path]:
         """Where a chunk's data and metadata are (or would be) kept."""
@@ -308,34 +326,43 @@ class DirectoryStore:
             found += 1
         return found
 
+    def _folder(self, key: str, create: bool = False) -> int:
+        """A descriptor of the chunk's folder, opened without following a symlink; OSError
+        (ELOOP, ENOTDIR, ENOENT) when it is not a real folder."""
+        folder = self.files(key)[0].parent
+        if create:
+            try:
+                os.mkdir(folder)
+            except FileExistsError:
+                pass
+        return os.open(folder, self.FOLDER_FLAGS)
+
     @staticmethod
-    def _read(path: Path, limit: int, exact: int | None = None) -> bytes:
-        """A regular file of ours, of ``exact`` bytes (or at most ``limit``), read without
-        following a symlink or waiting on a FIFO. FileNotFoundError when absent, ValueError
-        when it is not such a file."""
+    def _read(folder: int, name: str, limit: int, exact: int | None = None) -> bytes:
+        """A regular file of ours in ``folder``, of ``exact`` bytes (or at most ``limit``), read
+        without following a symlink or waiting on a FIFO. FileNotFoundError when absent,
+        ValueError when it is not such a file."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
         except OSError as exc:
             if isinstance(exc, FileNotFoundError):
                 raise
-            if os.path.islink(path):
-                raise ValueError(f"{path.name} is a symlink") from None
-            raise
+            raise ValueError(f"{name} cannot be opened as a file ({exc.strerror})") from None
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
-                raise ValueError(f"{path.name} is not a regular file")
+                raise ValueError(f"{name} is not a regular file")
             if info.st_uid != os.geteuid():
-                raise ValueError(f"{path.name} belongs to another user (uid {info.st_uid})")
+                raise ValueError(f"{name} belongs to another user (uid {info.st_uid})")
             size = info.st_size
             if size > limit or (exact is not None and size != exact):
                 wanted = f"the {exact} its metadata states" if exact is not None else f"at most {limit}"
-                raise ValueError(f"{path.name} is {size} bytes, not {wanted}")
+                raise ValueError(f"{name} is {size} bytes, not {wanted}")
             parts, left = [], size
             while left:
                 part = os.read(fd, min(left, 1 << 24))
                 if not part:
-                    raise ValueError(f"{path.name} shrank while being read")
+                    raise ValueError(f"{name} shrank while being read")
                 parts.append(part)
                 left -= len(part)
             return b"".join(parts)
@@ -345,72 +372,142 @@ class DirectoryStore:
     def get(self, key: str) -> tuple[bytes, bytes] | None:
         data_path, meta_path = self.files(key)
         try:
-            meta = self._read(meta_path, META_LIMIT)
+            folder = self._folder(key)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self.rejections.report(key, f"its folder {data_path.parent.name} is not a folder ({exc.strerror})")
+            self._drop_folder(data_path.parent)
+            return None
+        try:
+            meta = self._read(folder, meta_path.name, META_LIMIT)
             length = parse_length(meta)
             if length > self.record_limit:
                 raise ValueError(f"its metadata states {length} bytes of data, above the limit of "
                                  f"{self.record_limit}")
-            data = self._read(data_path, length, exact=length)
-            os.utime(data_path, follow_symlinks=False)  # recently used: evicted last
+            data = self._read(folder, data_path.name, length, exact=length)
+            os.utime(data_path.name, dir_fd=folder, follow_symlinks=False)  # recently used: evicted last
         except FileNotFoundError:
-            meta_path.unlink(missing_ok=True)  # metadata without data: the record lies
+            self._unlink(folder, meta_path.name)  # metadata without data: the record lies
             return None
         except ValueError as exc:
             self.rejections.report(key, str(exc))
-            self.delete(key)
+            self._remove(folder, key)
             return None
         except OSError as exc:
             log.warning("kvstore read of %s failed: %s; treating it as a miss", data_path, exc)
             return None
+        finally:
+            os.close(folder)
         return data, meta[LENGTH.size:]
 
     def put(self, key: str, data: bytes, meta: bytes) -> None:
         data_path, meta_path = self.files(key)
         try:
-            data_path.parent.mkdir(exist_ok=True)
-            for path, blob in ((data_path, data), (meta_path, LENGTH.pack(len(data)) + meta)):
+            folder = self._folder(key, create=True)
+        except OSError as exc:
+            log.warning("kvstore folder of %s is unusable (%s); the chunk is not kept", data_path, exc)
+            if not isinstance(exc, FileNotFoundError):
+                self._drop_folder(data_path.parent)  # a link or a file in its place: the next write makes it anew
+            return
+        try:
+            for name, blob in ((data_path.name, data), (meta_path.name, LENGTH.pack(len(data)) + meta)):
                 # a name of this process's own: workers sharing the directory may write one chunk at once
-                partial = path.with_suffix(f"{path.suffix}.{os.getpid()}.partial")
-                partial.unlink(missing_ok=True)  # never write through what someone put in its place
-                fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                partial = f"{name}.{os.getpid()}.partial"
+                self._unlink(folder, partial)  # never write through what someone put in its place
+                fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=folder)
                 with os.fdopen(fd, "wb") as file:
                     file.write(blob)
-                os.replace(partial, path)
+                os.replace(partial, name, src_dir_fd=folder, dst_dir_fd=folder)
         except OSError as exc:
             log.warning("kvstore write of %s failed: %s; the chunk is not kept", data_path, exc)
             return
+        finally:
+            os.close(folder)
         with self._lock:
             self._used += len(data)
             if self._used > self.max_bytes:
                 self._evict()
 
     def delete(self, key: str) -> None:
-        data_path, meta_path = self.files(key)
-        meta_path.unlink(missing_ok=True)
         try:
-            size = data_path.lstat().st_size
-            data_path.unlink()
+            folder = self._folder(key)
+        except OSError:
+            return
+        try:
+            self._remove(folder, key)
+        finally:
+            os.close(folder)
+
+    def _remove(self, folder: int, key: str) -> None:
+        """Remove a chunk's two files from its open folder; only a regular file of ours counted
+        against the budget gives its size back."""
+        data_name, meta_name = (path.name for path in self.files(key))
+        self._unlink(folder, meta_name)  # metadata first: never a lying record
+        try:
+            info = os.stat(data_name, dir_fd=folder, follow_symlinks=False)
+        except OSError:
+            return
+        if self._unlink(folder, data_name) and stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
             with self._lock:
-                self._used -= size
-        except FileNotFoundError:
+                self._used = max(0, self._used - min(info.st_size, self.record_limit))
+
+    @staticmethod
+    def _unlink(folder: int, name: str) -> bool:
+        try:
+            os.unlink(name, dir_fd=folder)
+            return True
+        except OSError:  # absent, or a folder where a file should be: it stays a miss
+            return False
+
+    def _drop_folder(self, path: Path) -> None:
+        """Remove a symlink or a file standing where a chunk folder should be (never what it points at)."""
+        try:
+            if not stat.S_ISDIR(path.lstat().st_mode):
+                path.unlink()
+        except OSError:
             pass
 
-    def _evict(self) -> None:
+    def _data_files(self) -> list[tuple[float, int, int, str]]:
+        """(time, size, folder name, file name) of every regular data file of ours in real folders."""
         files = []
-        for path in self.root.glob("*/*.data"):
+        try:
+            folders = [e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return files
+        for name in folders:
             try:
-                info = path.lstat()
-            except FileNotFoundError:
+                entries = list(os.scandir(self.root / name))
+            except OSError:
                 continue
-            files.append((info.st_mtime, info.st_size, path))
-        files.sort()
-        used = sum(size for _, size, _ in files)
+            for entry in entries:
+                if not entry.name.endswith(".data"):
+                    continue
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                    files.append((info.st_mtime, info.st_size, name, entry.name))
+        return files
+
+    def _evict(self) -> None:
+        files = sorted(self._data_files())
+        used = sum(size for _, size, _, _ in files)
         target = self.max_bytes * 0.9  # some headroom, so eviction does not run on every write
-        for _, size, path in files:
+        for _, size, folder_name, data_name in files:
             if used <= target:
                 break
-            path.with_suffix(".meta").unlink(missing_ok=True)  # metadata first: never a lying record
-            path.unlink(missing_ok=True)
+            try:
+                folder = os.open(self.root / folder_name, self.FOLDER_FLAGS)
+            except OSError:
+                continue
+            try:
+                self._unlink(folder, data_name.removesuffix(".data") + ".meta")  # metadata first
+                self._unlink(folder, data_name)
+            finally:
+                os.close(folder)
             used -= size
         self._used = used
 

@@ -140,12 +140,13 @@ class Stack:
         worker_public, worker_secret = ephemeral_pair()
         gateway_public, gateway_secret = ephemeral_pair()
         secrets = {env_name(flag): value for flag, value in (("--kv-secret", self.args.kv_secret),
-                                                             ("--kv-store-password", self.args.kv_store_password))
+                                                             ("--kv-store-password", self.args.kv_store_password),
+                                                             ("--kv-store", self.args.kv_store))  # may hold a password
                    if value}
         worker_env = {**os.environ, **secrets, env_name("--wire-key"): worker_secret.decode(),
                       env_name("--wire-allow"): gateway_public.decode()}
         worker_argv = to_argv(worker_parser(), self.args,
-                              skip=lambda a: a.dest in ("worker", "kv_secret", "kv_store_password"))
+                              skip=lambda a: a.dest in ("worker", "kv_secret", "kv_store_password", "kv_store"))
         endpoints = self.args.worker.split(",")
         for i, endpoint in enumerate(endpoints):
             name = "the worker" if len(endpoints) == 1 else f"worker {i + 1}"
@@ -245,13 +246,15 @@ class Stack:
             self.selector.unregister(each)
             os.close(each)
             del self.status[each]
-            self.status_of.pop(each, None)
+            child = self.status_of.pop(each, None)
+            if child is not None and child.status_fd == each:
+                child.status_fd = None  # closed: the number may be handed to another pipe
 
     def _check_children(self) -> None:
         now = time.monotonic()
         for child in self.children:
             if child.restart_at is not None and now >= child.restart_at and self.phase == "serving":
-                if child.status_fd is not None and child.status_fd in self.status:
+                if child.status_fd is not None:
                     self._close_status(child.status_fd)
                 self._spawn(child)
                 continue

@@ -36,9 +36,17 @@ def write_private(path: Path, text: str) -> None:
         file.write(text + "\n")
 
 
+def looks_like_path(value: str) -> bool:
+    return value.startswith(("/", "./", "../", "~"))
+
+
 def read_secret(value: str, flag: str) -> bytes:
-    """A secret from a file, or the value itself when no such file exists."""
-    path = Path(value)
+    """A secret from a file, or the value itself when no such file exists. A value written as a
+    path must name a file: a missing one is an error, never a secret anyone can read in a manifest."""
+    path = Path(value).expanduser()
+    if looks_like_path(value) and not path.is_file():
+        raise LmserveError(f"{flag} {value}: no such file (a secret given as a path must exist; "
+                           "lmserve keys --kv-secret FILE writes one)")
     if path.is_file():
         try:
             secret = path.read_bytes().strip()
@@ -57,10 +65,21 @@ def machine_kv_secret(directory: Path) -> bytes:
     it, and a restarted worker trusts what it spilled before."""
     path = directory / KV_SECRET_FILE
     if not path.exists():
+        # written whole under a name of our own, then linked in: a worker starting at the same
+        # moment finds either no file or the whole secret, never an empty one
+        partial = directory / f".{KV_SECRET_FILE}.{os.getpid()}"
         try:
-            write_private(path, secrets.token_hex(32))
-        except LmserveError:
-            pass  # another worker made it at the same moment
+            partial.unlink(missing_ok=True)
+            write_private(partial, secrets.token_hex(32))
+            try:
+                os.link(partial, path)
+            except FileExistsError:
+                pass  # another worker made it first: theirs it is
+            finally:
+                partial.unlink(missing_ok=True)
+        except OSError as exc:
+            raise LmserveError(f"cannot make the kvstore secret {path} ({exc.strerror}); give one with "
+                               "--kv-secret") from exc
     return read_secret(str(path), "the kvstore secret")
 
 
@@ -74,7 +93,7 @@ def _z85_key(text: str) -> bytes | None:
 
     try:
         zmq.utils.z85.decode(text)
-    except (ValueError, KeyError):
+    except Exception:  # ValueError, KeyError, struct.error: whatever odd text sets off, it is no key
         return None
     return text.encode()
 

@@ -10,6 +10,7 @@ it talks to no impostor either.
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import logging
 import threading
@@ -102,7 +103,10 @@ def is_loopback_endpoint(endpoints: str) -> bool:
         if not endpoint.startswith("tcp://"):
             return False
         host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
-        if not (host in ("localhost", "::1") or host.startswith("127.")):
+        try:
+            if not (host == "localhost" or ipaddress.ip_address(host).is_loopback):
+                return False
+        except ValueError:  # a name (other than localhost) or a wildcard: reachable for all we know
             return False
     return True
 

@@ -389,7 +389,10 @@ class Scheduler:
             gateway, stream = self.retrieving.popleft()
             request = stream.request
             try:
-                names = fleet.choose(request.conversation, request.query)
+                # a tenant's conversations are its own: another's session id recalls none of its choices
+                conversation = request.conversation and "\0".join(filter(None, (request.namespace,
+                                                                                 request.conversation)))
+                names = fleet.choose(conversation, request.query)
                 stream.cartridge = self.composed([fleet.cartridges[n] for n in names])
             except Exception as exc:
                 log.exception("choosing the cartridges of %s failed", request.request_id)

@@ -281,3 +281,53 @@ def _pingable(store: RedisStore) -> bool:
         except Exception:
             time.sleep(0.1)
     return False
+
+
+def test_directory_never_follows_a_symlinked_folder(tmp_path):
+    """A chunk folder replaced by a link to elsewhere: nothing is read, written or evicted there."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.data").write_bytes(b"x" * 4096)
+    store = DirectoryStore(tmp_path / "kv", max_bytes=3 * len(_chunk(0).encode()[0]))
+    key = "lmserve:kv:" + "ee" * 20
+    store.put(key, *_chunk(1).encode())
+    folder = store.files(key)[0].parent
+    for child in folder.iterdir():
+        child.unlink()
+    folder.rmdir()
+    folder.symlink_to(outside, target_is_directory=True)
+    assert store.get(key) is None and store.rejections.count == 1
+    assert not folder.is_symlink()  # the link itself is dropped, never what it points at
+    folder.symlink_to(outside, target_is_directory=True)
+    store.put(key, *_chunk(2).encode())  # not written through the link
+    assert sorted(p.name for p in outside.iterdir()) == ["precious.data"]
+    for i in range(6):  # eviction passes over what is not its own
+        store.put(f"lmserve:kv:{i:040x}", *_chunk(i).encode())
+    assert (outside / "precious.data").read_bytes() == b"x" * 4096
+
+
+def test_directory_odd_entries_are_misses_not_errors(tmp_path):
+    root = tmp_path / "kv"
+    key = "lmserve:kv:" + "dd" * 20
+    store = DirectoryStore(root, max_bytes=3 * len(_chunk(0).encode()[0]))
+    store.put(key, *_chunk(1).encode())
+    data_path = store.files(key)[0]
+    data_path.unlink()
+    data_path.mkdir()  # a folder where the data file should be
+    (root / "dd" / "dangling.data").symlink_to(tmp_path / "nowhere")
+    assert store.get(key) is None
+    DirectoryStore(root, max_bytes=1 << 30)  # a dangling link does not stop a worker from starting
+    for i in range(6):
+        store.put(f"lmserve:kv:{i:040x}", *_chunk(i).encode())  # nor does the folder stop eviction
+    assert sum(1 for _ in root.glob("*/*.data")) <= 5
+
+
+def test_a_planted_file_does_not_skew_the_directory_budget(tmp_path):
+    store = DirectoryStore(tmp_path / "kv", max_bytes=1 << 30)
+    key = "lmserve:kv:" + "cc" * 20
+    store.put(key, *_chunk(1).encode())
+    used = store.used
+    with open(store.files(key)[0], "r+b") as file:
+        file.truncate(1 << 40)  # sparse, 1 TiB: rejected and removed
+    assert store.get(key) is None
+    assert 0 <= store.used <= used

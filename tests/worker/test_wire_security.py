@@ -17,7 +17,7 @@ from gateway.worker_client import WorkerClient
 from launcher.cli import main as lmserve
 from shared.protocol import PROTOCOL_VERSION, Finished, Generate, MsgType, Tokens
 from shared.sampling_params import SamplingParams
-from shared.wire_security import ClientKeys
+from shared.wire_security import ClientKeys, is_loopback_endpoint
 
 SILENCE_MS = 3000  # how long an outsider waits for an answer that must not come
 
@@ -118,3 +118,14 @@ def test_a_worker_without_keys_on_a_reachable_endpoint_refuses_to_start(default_
                             timeout=120)
     assert result.returncode == 2
     assert says in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("endpoint, local", [
+    ("tcp://127.0.0.1:5557", True), ("tcp://localhost:5557", True), ("tcp://[::1]:5557", True),
+    ("ipc:///tmp/lmserve.sock", True), ("tcp://127.0.0.1:1,ipc:///tmp/x", True),
+    ("tcp://0.0.0.0:5557", False), ("tcp://*:5557", False), ("tcp://10.0.0.5:5557", False),
+    ("tcp://127.evil.example:5557", False), ("dns+tcp://worker:5557", False),
+    ("tcp://127.0.0.1:1,tcp://10.0.0.5:2", False),
+])
+def test_which_endpoints_stay_on_this_machine(endpoint, local):
+    assert is_loopback_endpoint(endpoint) is local
