@@ -3,7 +3,7 @@
     python -m bench.faults [--cases 2000] [--model MODEL.gguf] [--soak-minutes 30] [--quick]
 
 Starts a stack of real processes on loopback, secured as a deployment is: redis-server with a
-password, one worker (``--kv-store`` on that Redis, ``--batch 4 --queue 4``, a CURVE wire, a
+password (and a 512 MB least-recently-used bound, as deployments bound it), one worker (``--kv-store`` on that Redis, ``--batch 4 --queue 4``, a CURVE wire, a
 kvstore secret) and two gateways (``--header-timeout 2``) holding the wire's keys, then runs:
 
 1. ``fuzz``: property-based bodies (hypothesis) for the four POST endpoints, alternating
@@ -105,8 +105,11 @@ class Stack:
         self.worker_flags = [*py, "worker", model, "--worker", self.worker_endpoint, "--ctx", "2048", "--batch", "4",
                              "--kv-slots", "4", "--queue", "4", "--kv-chunk", str(KV_CHUNK)]
         self.commands = {
+            # bounded and least-recently-used, as compose and Kubernetes run it (with a smaller bound,
+            # which the soak's spilled chunks reach within its warm-up)
             "redis": ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
-                      "--appendonly", "no", "--dir", str(workdir), "--requirepass", self.REDIS_PASSWORD],
+                      "--appendonly", "no", "--dir", str(workdir), "--requirepass", self.REDIS_PASSWORD,
+                      "--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru"],
             "worker": [*self.worker_flags, "--kv-store", self.redis_url],
             **{f"gateway{i}": [*py, "gateway", "--worker", self.worker_endpoint, "--port", str(port),
                                "--header-timeout", "2"] for i, port in enumerate(self.gateway_ports)},
