@@ -13,14 +13,15 @@ import time
 import re
 
 import httpx
-import msgpack
 import psutil
-import zmq
 from conftest import wait_until
 import pytest
 from conftest import REPO, free_port
 
-from shared.protocol import PROTOCOL_VERSION
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.faults import wire_outsider  # noqa: E402  (the raw peer of the fault bench, one copy)
 
 
 @pytest.fixture(scope="module")
@@ -240,18 +241,6 @@ def test_two_workers_behind_two_gateways(serve_factory, default_model):
     assert not alive, f"orphaned: {alive}"
 
 
-def _raw_hello(endpoint: str) -> bool:
-    """Whether a plain ZeroMQ peer saying HELLO hears anything back."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    try:
-        sock.send_multipart([b"H", msgpack.packb({"version": PROTOCOL_VERSION, "gateway": "outsider"})])
-        return bool(sock.poll(3000))
-    finally:
-        sock.close(0)
-
-
 def test_a_killed_worker_or_gateway_is_restarted_while_the_others_serve(serve_factory, default_model):
     served = serve_factory("--workers", "2", "--api-key", "the-key")
     served.wait_ready()
@@ -261,7 +250,7 @@ def test_a_killed_worker_or_gateway_is_restarted_while_the_others_serve(serve_fa
     assert len(httpx.get(served.url + "/health", headers=key, timeout=10).json()["workers"]) == 2
     # the workers' wire answers no one but the stack's own gateway
     endpoints = re.search(r"2 workers (\S+)\)", "".join(served.stdout)).group(1).split(",")
-    assert len(endpoints) == 2 and not any(_raw_hello(e) for e in endpoints)
+    assert len(endpoints) == 2 and not any(wire_outsider(e, None) for e in endpoints)
 
     def ask() -> int:
         response = httpx.post(served.url + "/v1/chat/completions", headers=key, timeout=120, json={
