@@ -13,8 +13,9 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /app
 # Metadata first, so a code change does not reinstall the dependencies.
 COPY pyproject.toml README.md ./
-RUN mkdir -p shared gateway worker kvstore launcher \
+RUN mkdir -p shared gateway worker kvstore launcher training \
     && touch shared/__init__.py gateway/__init__.py worker/__init__.py kvstore/__init__.py launcher/__init__.py \
+       training/__init__.py \
     && pip install . \
     && pip uninstall -y lmserve
 COPY shared ./shared
@@ -22,6 +23,7 @@ COPY gateway ./gateway
 COPY worker ./worker
 COPY kvstore ./kvstore
 COPY launcher ./launcher
+COPY training ./training
 RUN pip install --no-deps . && rm -rf build *.egg-info
 
 # No root at run time, and a numeric user, so Kubernetes' runAsNonRoot can check it. The

@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.faults import cpu_flags
-from worker.cartridge import Cartridge, from_document, write
+from worker.cartridges.cartridge import Cartridge, from_document, write
 from worker.engine import Engine
-from worker.selfstudy import SelfStudy
+from training.selfstudy import SelfStudy
 
 @dataclass(frozen=True)
 class Fact:
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="bench/results/cartridge", help="documents, checkpoints, cartridges")
     args = parser.parse_args(argv)
     from shared.default_model import default_model_path
-    from worker.cartridge_train import Trainer, TrainSettings
+    from training.trainer import Trainer, TrainSettings
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
 def fleet_retrieval(engine: Engine, folder: Path, count: int, facts: int, chunk_tokens: int) -> tuple[int, int]:
     """Build a fleet of ``count`` documents (one theme each; their cartridges untrained, since
     only the choice is measured) and ask each fact's question as a conversation's first message."""
-    from worker.fleet import Fleet, Retrieval, build_index
+    from training.fleets import build_index
+    from worker.cartridges.fleet import Fleet, Retrieval
 
     folder.mkdir(parents=True, exist_ok=True)
     documents, questions = {}, []

@@ -28,6 +28,7 @@ from gateway.access_log import AccessLogMiddleware
 from gateway.dialects import anthropic_messages, openai_chat, openai_completions, openai_responses
 from gateway.edge import KEY_HELD, TENANT, EdgeMiddleware, EdgeSettings
 from gateway.errors import dialect_for_path, error_response
+from gateway.flags import MAX_BUFFERED, PING_INTERVAL
 from gateway.generation import Completion, generate, prepare
 from gateway.neutral import Event, NeutralRequest, Ping, Started
 from gateway.prompting import ModelView
@@ -40,7 +41,7 @@ from shared.errors import (
     NotFoundError,
     WorkerUnavailableError,
 )
-from shared.protocol import DEFAULT_ENDPOINT
+from shared.protocol import DEFAULT_ENDPOINT, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 from shared.wire_security import ClientKeys
 
 log = logging.getLogger("lmserve.gateway")
@@ -52,10 +53,10 @@ class GatewaySettings:
     route: str = "prefix"  # prefix | round-robin (gateway.worker_pool)
     route_queue_tokens: int = 0  # 0: measured (gateway.worker_pool.QueueCost)
     edge: EdgeSettings = field(default_factory=EdgeSettings)
-    ping_interval: float = 10.0  # seconds of silence before an SSE keep-alive
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 6.0
-    max_buffered: int = 4096  # unread replies per request before a slow reader is cut off
+    ping_interval: float = PING_INTERVAL  # seconds of silence before an SSE keep-alive
+    heartbeat_interval: float = HEARTBEAT_INTERVAL
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT
+    max_buffered: int = MAX_BUFFERED  # unread replies per request before a slow reader is cut off
     drain_timeout: float = 30.0  # on shutdown, seconds in-flight replies get before they are cut
     docs: bool = True  # serve /openapi.json and /docs
     wire: ClientKeys | None = None  # CURVE keys of the wire to the workers (None: in the clear)

@@ -9,9 +9,12 @@ from shared import log_format
 from shared.command_line import CommaList, EnvParser, new_parser
 from shared.protocol import DEFAULT_ENDPOINT
 
-# gateway.worker_pool's names, kept here so that building a command line imports no HTTP stack
+# gateway.worker_pool's names, and the defaults of gateway.app.GatewaySettings and the worker
+# clients, kept here so that building a command line imports no HTTP stack
 ROUTE_POLICIES = ("prefix", "round-robin")
 DEFAULT_QUEUE_TOKENS = 1024
+MAX_BUFFERED = 4096  # replies a request may hold unread before its slow reader is cut off
+PING_INTERVAL = 10.0  # seconds of silence before an SSE keep-alive while a prompt is read
 
 
 def add_gateway_flags(p: argparse.ArgumentParser) -> None:
@@ -30,9 +33,9 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body", type=int, default=32 * 1024 * 1024, help="max request body in bytes")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a request's headers may take to arrive once it starts; then 408 and close")
-    p.add_argument("--max-buffered", type=int, default=4096,
+    p.add_argument("--max-buffered", type=int, default=MAX_BUFFERED,
                    help="replies a request may hold unread before its slow reader is cut off")
-    p.add_argument("--ping-interval", type=float, default=10.0,
+    p.add_argument("--ping-interval", type=float, default=PING_INTERVAL,
                    help="seconds of silence before an SSE keep-alive while a prompt is read")
     p.add_argument("--no-docs", action="store_true",
                    help="serve neither the OpenAPI document (/openapi.json) nor its page (/docs)")

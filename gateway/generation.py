@@ -1,9 +1,10 @@
 """One request's path through the gateway: prompt ids out, neutral events back.
 
 Renders and tokenizes the prompt, asks the worker, and turns its token stream into text:
-incremental detokenization, the reasoning split, stop strings (which end the request in the
-worker at once), tool calls (gateway/tool_calls.py), logprobs, and keep-alive pings while
-nothing new arrives (a long prefill).
+incremental detokenization, the reasoning split (the model's convention's splitter,
+shared/conventions/), stop strings (which end the request in the worker at once), tool calls
+(gateway/tool_calls.py), logprobs, and keep-alive pings while nothing new arrives (a long
+prefill).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from gateway import inkling_blocks, tool_calls
+from gateway import tool_calls
 from gateway.neutral import (
     Event,
     Finish,
@@ -27,82 +28,18 @@ from gateway.neutral import (
     ToolCallEnd,
     Usage,
 )
+from gateway.flags import PING_INTERVAL
 from gateway.prompting import ModelView
-from gateway.stop_strings import StopStringMatcher, partial_suffix
+from gateway.stop_strings import StopStringMatcher
 from gateway.worker_pool import WorkerPool, affinity_key
 from shared.errors import ShuttingDownError, WorkerUnavailableError
-from shared.protocol import Accepted, Finished, FinishReason, Generate, Grammar, Tags, Tokens
+from shared.conventions.reasoning import Splitter
+from shared.protocol import Accepted, Finished, FinishReason, Generate, Grammar, Tokens
 
 # The gateway's own aborts (a stop string, a client gone) end the reply before the worker's
 # FINISHED arrives, so an abort the worker reports is one this reply did not ask for: a cut.
 WORKER_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CONTEXT: "context",
                   FinishReason.ERROR: "error", FinishReason.ABORT: "error"}
-
-
-class ReasoningSplitter:
-    """Routes text between the reasoning tags (``<think>`` and ``</think>``) to reasoning, the
-    rest to content.
-
-    The line breaks a model writes just inside the tags and right after the closing one are
-    layout (Qwen3 writes ``<think>\n...\n</think>\n\n``, and its template trims reasoning when
-    it renders it back), so they are dropped.
-    """
-
-    def __init__(self, tags: Tags, inside: bool = False, call_opens: str | None = None):
-        self.tags = tags
-        self.inside = inside
-        # a call's opening tag that ends the reasoning too (it stays in the text, for the calls'
-        # parser): Qwen3.5 may open a call without closing its think block
-        self.call_opens = call_opens
-        self.held = ""
-        self.closed_once = False
-        self.at_edge = True  # nothing emitted since the last tag (or the start)
-
-    def push(self, text: str) -> list[TextDelta | ReasoningDelta]:
-        out: list[TextDelta | ReasoningDelta] = []
-        buffer = self.held + text
-        self.held = ""
-        while buffer:
-            tag = self.tags.close if self.inside else self.tags.open
-            position = buffer.find(tag)
-            if self.inside and self.call_opens:
-                call = buffer.find(self.call_opens)
-                if call != -1 and (position == -1 or call < position):
-                    self._emit(buffer[:call].rstrip("\n"), out)
-                    self.closed_once, self.inside, self.at_edge = True, False, True
-                    buffer = buffer[call:]
-                    continue
-            if position == -1:
-                tags = (tag, self.call_opens) if self.inside and self.call_opens else (tag,)
-                ready = buffer[:len(buffer) - partial_suffix(buffer, tags)]
-                if self.inside:  # line breaks may be the ones right before the closing tag
-                    ready = ready.rstrip("\n")
-                emit, self.held = ready, buffer[len(ready):]
-                buffer = ""
-            else:
-                emit, buffer = buffer[:position], buffer[position + len(tag):]
-                if self.inside:
-                    emit = emit.rstrip("\n")
-            self._emit(emit, out)
-            if position != -1:
-                if self.inside:
-                    self.closed_once = True
-                self.inside = not self.inside
-                self.at_edge = True
-        return out
-
-    def flush(self) -> list[TextDelta | ReasoningDelta]:
-        held, self.held = self.held, ""
-        out: list[TextDelta | ReasoningDelta] = []
-        self._emit(held.rstrip("\n") if self.inside else held, out)
-        return out
-
-    def _emit(self, text: str, out: list[TextDelta | ReasoningDelta]) -> None:
-        if self.at_edge and (self.inside or self.closed_once):
-            text = text.lstrip("\n")
-        if text:
-            self.at_edge = False
-            out.append(ReasoningDelta(text) if self.inside else TextDelta(text))
 
 
 def prepare(view: ModelView, request: NeutralRequest) -> tuple[tool_calls.ToolPlan, list[int]]:
@@ -130,7 +67,7 @@ def _retrieval(view: ModelView, request: NeutralRequest, prompt: list[int]) -> d
 
 
 async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest,
-                   prepared: tuple[tool_calls.ToolPlan, list[int]], ping_interval: float = 10.0,
+                   prepared: tuple[tool_calls.ToolPlan, list[int]], ping_interval: float = PING_INTERVAL,
                    cut: asyncio.Event | None = None) -> AsyncIterator[Event]:
     """Yield Started, then content events and Pings, then one Finish.
 
@@ -145,11 +82,12 @@ async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest
     max_tokens = min(request.max_tokens, room) if request.max_tokens else room
     if request.max_tokens == 0 and request.prompt_logprobs is not None:
         max_tokens = 0  # the prompt scored, nothing generated
+    convention = view.convention
     # A forced call's grammar, or the format the client asked for (plan refuses both at once).
     grammar = tools.grammar or request.grammar
-    # An Inkling forced call's grammar holds the whole reply, its thinking block included: the
-    # end of that block is the end of any block, which the worker cannot wait for
-    after_reasoning = request.grammar_after_reasoning and not (view.writes_blocks and tools.grammar is not None)
+    # A convention's forced call grammar may hold the whole reply, its reasoning included
+    after_reasoning = request.grammar_after_reasoning and not (convention.grammar_holds_reasoning
+                                                               and tools.grammar is not None)
     worker_request = Generate(workers.new_request_id(), prompt, request.sampling, max_tokens,
                               grammar=Grammar(**grammar) if grammar is not None else None,
                               grammar_after_reasoning=grammar is not None and after_reasoning,
@@ -158,21 +96,18 @@ async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest
                               **(_retrieval(view, request, prompt) if view.card.capabilities.fleet else {}),
                               prompt_logprobs=-1 if request.prompt_logprobs is None else request.prompt_logprobs)
     tokenizer = view.tokenizer
-    blocks = view.writes_blocks and request.prompt is None
-    # an Inkling reply's markers are control tokens, kept in its text for its block reader
+    chat = request.prompt is None
+    # a convention whose markers are control tokens keeps them in the text, for its splitter
     decoder = tokenizer.incremental_decoder(skip_special=True,
-                                            keep=inkling_blocks.marker_ids(tokenizer) if blocks else frozenset())
+                                            keep=convention.kept_ids(tokenizer) if chat else frozenset())
     reply = ReplyText(
         # A text completion is continued as it is; otherwise, when reasoning is on, a template
-        # may open the think block in the prompt already.
-        PlainText() if request.prompt is not None else
-        inkling_blocks.InklingBlocks(calls=tools.parse and tools.call_format == tool_calls.INKLING,
-                                     in_text=request.prefill != "") if blocks else
-        ReasoningSplitter(view.reasoning_tags,
-                          inside=request.prefill == "" and _prompt_opens_reasoning(view)
-                          if view.has_reasoning_channel and request.reasoning else False,
-                          call_opens=view.tool_call_tags.open
-                          if view.tool_call_format == tool_calls.QWEN_XML and view.tool_call_tags else None),
+        # may open the reasoning block in the prompt already.
+        convention.splitter(
+            starts_inside=lambda: (request.prefill == "" and _prompt_opens_reasoning(view)
+                                   if view.has_reasoning_channel and request.reasoning else False),
+            model_calls=view.tool_call_tags is not None, reads_calls=tools.reads_blocks,
+            prefilled=request.prefill != "") if chat else PlainText(),
         StopStringMatcher(request.stop),
         tools.parser())
     usage = Usage(prompt_tokens=len(prompt))
@@ -272,7 +207,7 @@ class ReplyText:
     """The reply's text on its way to events: the reasoning split, then stop strings on what is
     not reasoning, then tool-call parsing on what the stop strings release."""
 
-    def __init__(self, splitter: ReasoningSplitter | inkling_blocks.InklingBlocks | PlainText,
+    def __init__(self, splitter: Splitter,
                  stops: StopStringMatcher, parser: tool_calls.ToolCallParser | tool_calls.WholeReplyCall | None):
         self.splitter = splitter
         self.stops = stops

@@ -9,7 +9,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.conventions.events import (  # what the conventions' reply readers produce
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from shared.sampling_params import SamplingParams
+
+NONE, AUTO, REQUIRED, NAMED = "none", "auto", "required", "named"  # ToolChoice.mode
+FUNCTION, CUSTOM = "function", "custom"  # ToolChoice.kind
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """Which calls a reply may or must make, whatever the dialect that asked.
+
+    ``none``: the tools are not shown; ``auto``: the model calls as it likes; ``required``: it must
+    call one of ``tools`` (None: of any of the request's); ``named``: it must call the one tool in
+    ``tools``, a function, or a freeform (``custom``) tool whose input is then the whole reply.
+    A name the client left out is None (refused when the request is planned)."""
+
+    mode: str = AUTO
+    tools: tuple[str | None, ...] | None = None
+    kind: str = FUNCTION
+    parallel: bool = True  # the reply may make several calls
+
+    @property
+    def forces_call(self) -> bool:
+        return self.mode in (REQUIRED, NAMED)
 
 
 @dataclass
@@ -22,8 +51,7 @@ class NeutralRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     tools: list[dict[str, Any]] = field(default_factory=list)  # {"type":"function","function":{…}}
-    tool_choice: Any = "auto"
-    parallel_tool_calls: bool = True
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
     reasoning: bool = False  # open the model's reasoning channel
     # how hard to think when reasoning, as an OpenAI effort word (low … max; Anthropic's budget
     # mapped to one); None: the model's default. Only a template that takes it reads it.
@@ -76,16 +104,6 @@ def usage_extras(usage: Usage) -> dict[str, Any]:
 
 
 @dataclass
-class TextDelta:
-    text: str
-
-
-@dataclass
-class ReasoningDelta:
-    text: str
-
-
-@dataclass
 class TokenLogprob:
     token: str
     logprob: float | None  # None only for a prompt's first token (PromptLogprobs)
@@ -103,32 +121,6 @@ class PromptLogprobs:
     """The prompt's own tokens, scored (a request with ``prompt_logprobs``): the first one has
     no logprob (nothing predicts it); control tokens carry empty text, as the echoed prompt does."""
     items: list[TokenLogprob]
-
-
-@dataclass
-class ToolCallStart:
-    """A tool call the model completed (calls are only announced once whole and valid).
-
-    ``call_id`` is bare; each dialect puts its own prefix on it (call_, toolu_, fc_).
-    """
-
-    index: int  # 0, 1, ... in the order of the reply
-    call_id: str
-    name: str
-
-
-@dataclass
-class ToolCallArgumentsDelta:
-    index: int
-    json_fragment: str  # the fragments so far always join to a prefix of valid JSON
-
-
-@dataclass
-class ToolCallEnd:
-    index: int
-    call_id: str
-    name: str
-    arguments_json: str  # the whole arguments object, the fragments joined
 
 
 @dataclass

@@ -11,8 +11,9 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway import inkling_blocks
+from shared import conventions
 from shared.chat_template import ChatTemplate
+from shared.conventions.base import Convention
 from shared.errors import ContextOverflowError, InvalidRequestError
 from shared.protocol import ModelCard, Tags
 from shared.tokenizer import Tokenizer, trie_pattern
@@ -69,15 +70,10 @@ class ModelView:
         return self.card.capabilities.tool_call_tags
 
     @property
-    def tool_call_format(self) -> str:
-        """What a call block holds: "hermes" (JSON), "gemma4" (``call:NAME{…}``), "qwen_xml",
-        "nanochat" or "inkling" (the reply is a run of blocks, ``gateway/inkling_blocks.py``)."""
-        return self.card.capabilities.tool_call_format
-
-    @property
-    def writes_blocks(self) -> bool:
-        """The model's reply is a run of Inkling blocks."""
-        return self.tool_call_format == inkling_blocks.INKLING
+    def convention(self) -> Convention:
+        """How the model writes its reasoning and calls (``shared/conventions/``): the one its
+        card names, which the card's decoding has checked is registered."""
+        return conventions.get(self.card.capabilities.convention)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, reasoning: bool = False,
                prefill: str = "", effort: str | None = None) -> str:
@@ -85,16 +81,10 @@ class ModelView:
         effort word), for a template that takes it (Inkling's ``reasoning_effort``)."""
         if self.template is None:
             raise InvalidRequestError(NO_TEMPLATE, param="messages")
-        switch: dict[str, Any] = {}
-        if self.has_reasoning_channel and self.writes_blocks:
-            level = inkling_blocks.template_effort(reasoning, effort)
-            switch = {"reasoning_effort": level} if level is not None else {}
-        elif self.has_reasoning_channel:
-            switch = {"enable_thinking": reasoning}
+        convention = self.convention
+        switch: dict[str, Any] = convention.template_switch(reasoning, effort) if self.has_reasoning_channel else {}
         text = self.template.render(messages, tools=tools or None, add_generation_prompt=True, **switch)
-        if prefill and self.writes_blocks:
-            return text + inkling_blocks.TEXT + prefill  # a prefill continues a text block
-        return text + prefill
+        return text + convention.prefill_opens + prefill if prefill else text
 
     def encode_prompt(self, text: str, quoted: ClientText | None = None) -> list[int]:
         """The ids of a rendered prompt. With ``quoted``, its markers stand for text a client

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from shared.conventions.reasoning import partial_suffix
 
 
 class StopStringMatcher:
@@ -45,12 +45,3 @@ class StopStringMatcher:
         return partial_suffix(buffer, self.stops)
 
 
-def partial_suffix(buffer: str, tags: Sequence[str]) -> int:
-    """Length of the longest suffix of buffer that is a proper prefix of one of tags: the text
-    to hold back until the next piece shows whether a tag starts there."""
-    longest = max((len(tag) for tag in tags), default=0)
-    for length in range(min(len(buffer), longest - 1), 0, -1):
-        tail = buffer[-length:]
-        if any(tag.startswith(tail) for tag in tags):
-            return length
-    return 0

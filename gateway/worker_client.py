@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from gateway.flags import MAX_BUFFERED
 from shared.errors import (
     BusyError,
     InvalidRequestError,
@@ -41,6 +42,7 @@ from shared.protocol import (
     Hello,
     Message,
     ModelCard,
+    MsgType,
     ProtocolError,
     Rejected,
     Tokens,
@@ -52,17 +54,14 @@ from shared.wire_security import ClientKeys, secure_client
 log = logging.getLogger("lmserve.gateway")
 
 FIRST_REPLY_TIMEOUT = 60.0
-
-
-class ProtocolVersionError(LmserveError):
-    status = 503
-    kind = VERSION_MISMATCH
+# what a worker sends in answer to a request, routed to that request
+REPLIES = (Accepted, Busy, Rejected, Tokens, Finished)
 
 
 class WorkerClient:
     def __init__(self, endpoint: str, heartbeat_interval: float = HEARTBEAT_INTERVAL,
                  heartbeat_timeout: float = HEARTBEAT_TIMEOUT, name: str | None = None,
-                 max_buffered: int = 4096, wire: ClientKeys | None = None):
+                 max_buffered: int = MAX_BUFFERED, wire: ClientKeys | None = None):
         self.endpoint = endpoint
         self.wire = wire  # CURVE keys: the wire encrypted, to a worker holding the expected key
         # Replies a request may hold unread before its reader is deemed hopelessly behind and
@@ -234,12 +233,25 @@ class WorkerClient:
         assert self._socket is not None
         while True:
             frames = await self._socket.recv_multipart()
-            try:
-                message = decode(frames)
+            try:  # one bad message must not leave the gateway deaf to its worker
+                self.receive(decode(frames))
             except ProtocolError as exc:
-                log.warning("dropping a malformed message from the worker: %s", exc)
-                continue
-            self.receive(message)
+                self._malformed(frames, exc)
+            except Exception:
+                log.exception("taking in a message from the worker at %s failed", self.endpoint)
+
+    def _malformed(self, frames: list[bytes], error: ProtocolError) -> None:
+        """Drop a message that does not parse; the request it names, if one of ours, fails (and
+        is aborted), rather than waiting for a reply that will not come."""
+        log.warning("dropping a malformed message from the worker at %s: %s", self.endpoint, error)
+        if frames and frames[0] == MsgType.MODEL_CARD.value and not self.ready:
+            self.version_error = (f"the worker's model card does not parse ({error}); run the same lmserve "
+                                  "release on gateway and worker")
+        queue = self._pending.get(error.request_id or "")
+        if queue is None or error.request_id in self._cut:
+            return
+        queue.put_nowait(WorkerUnavailableError(f"the worker sent a malformed reply: {error}"))
+        self._send_in_background(Abort(error.request_id))
 
     def receive(self, message: Message) -> None:
         """Take in one message from the worker: a card, a heartbeat, or a reply to a request."""
@@ -259,8 +271,10 @@ class WorkerClient:
         elif isinstance(message, Rejected) and message.kind == VERSION_MISMATCH:
             self.version_error = message.message
             log.error("%s", message.message)
+        elif not isinstance(message, REPLIES):
+            log.warning("ignoring a %s from the worker at %s", type(message).__name__, self.endpoint)
         else:
-            rid = getattr(message, "request_id", "")
+            rid = message.request_id
             queue = self._pending.get(rid)
             if queue is None or rid in self._cut:
                 return

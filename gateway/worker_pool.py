@@ -50,7 +50,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from gateway.flags import DEFAULT_QUEUE_TOKENS, ROUTE_POLICIES
+from gateway.flags import DEFAULT_QUEUE_TOKENS, MAX_BUFFERED, ROUTE_POLICIES
 from gateway.neutral import NeutralRequest, Placement
 from gateway.worker_client import WorkerClient
 from shared.errors import BusyError, WorkerUnavailableError
@@ -189,7 +189,7 @@ class QueueCost:
 
 class WorkerPool:
     def __init__(self, spec: str, heartbeat_interval: float, heartbeat_timeout: float, *,
-                 max_buffered: int = 4096, policy: str = "prefix", queue_tokens: int = 0,
+                 max_buffered: int = MAX_BUFFERED, policy: str = "prefix", queue_tokens: int = 0,
                  wire: ClientKeys | None = None):
         if policy not in ROUTE_POLICIES:
             raise ValueError(f"unknown routing policy {policy!r} (one of {', '.join(ROUTE_POLICIES)})")

@@ -23,7 +23,7 @@ COMMANDS = {
     "gateway": "gateway.main",
     "generate": "worker.generate",
     "models": "launcher.models",
-    "cartridge": "worker.cartridge",
+    "cartridge": "training.command",
     "keys": "shared.keys",
 }
 

@@ -27,19 +27,23 @@ import array
 import enum
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import msgpack
 
 from shared.errors import InvalidRequestError
 from shared.sampling_params import SamplingParams
+from shared.tokenizer_spec import TokenizerSpec
 from shared.wire_types import WireTypeError, fields_of
 
-PROTOCOL_VERSION = 2  # 2: every message a typed struct (MODEL_CARD capabilities, GENERATE sampling and grammar)
+# 2: every message a typed struct (MODEL_CARD capabilities, GENERATE sampling and grammar)
+# 3: the MODEL_CARD's tokenizer a typed struct with every entry (nil where its kind has none)
+PROTOCOL_VERSION = 3
 # Where a worker binds and a gateway connects when no --worker is given: this machine.
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 HEARTBEAT_INTERVAL = 1.0  # seconds between heartbeats, both directions
 HEARTBEAT_TIMEOUT = 6.0  # silence after which the peer is presumed gone
+DEFAULT_QUEUE = 16  # requests a worker holds waiting before it answers BUSY (its --queue)
 # REJECTED kind for a GENERATE from a gateway this worker instance has not been greeted by
 # (the worker restarted under it): the gateway says HELLO again and resends.
 HELLO_FIRST = "hello_first"
@@ -69,7 +73,14 @@ class FinishReason(str, enum.Enum):
 
 
 class ProtocolError(Exception):
-    """A frame that does not parse as this protocol's message."""
+    """A frame that does not parse as this protocol's message. ``request_id``: the request it
+    names, where its body is a map whose request_id is a string (a reply to that request is
+    then known to be lost), else None."""
+
+    def __init__(self, message: str, request_id: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.request_id = request_id
 
 
 class InvalidGenerate(ProtocolError):
@@ -78,9 +89,7 @@ class InvalidGenerate(ProtocolError):
     dropping it, under its request id, or "" when that is not a string."""
 
     def __init__(self, request_id: str, message: str):
-        super().__init__(message)
-        self.request_id = request_id
-        self.message = message
+        super().__init__(message, request_id)
 
 
 @dataclass
@@ -122,14 +131,14 @@ class Capabilities:
     reasoning_tags: Tags  # where a reasoning block starts and ends in a reply
     reasoning: bool = False  # the template switches reasoning on and off on request
     tool_call_tags: Tags | None = None  # calls are blocks between these; None: no convention
-    # what a block holds: "hermes" (JSON), "gemma4" (call:NAME{…}), "qwen_xml", "nanochat" or
-    # "inkling" (the reply is a run of blocks: gateway/inkling_blocks.py)
-    tool_call_format: str = "hermes"
+    # the name of the model's convention in shared/conventions/ (hermes, gemma4, qwen_xml, nanochat,
+    # inkling, or one registered there): how its reasoning and calls are written and read
+    convention: str = "hermes"
     vision: bool = False  # image inputs
     grammar: bool = True  # constrained decoding
     batch: int = 1  # streams decoded together
     kv_slots: int = 1
-    queue: int = 16
+    queue: int = DEFAULT_QUEUE
     kvstore: str | None = None  # the kvstore's description, None without one
     # names of the KV prefixes a request may name; the first is put before every conversation that
     # names none when default_cartridge is set
@@ -137,6 +146,12 @@ class Capabilities:
     default_cartridge: str | None = None
     fleet: list[str] = field(default_factory=list)  # a fleet's documents (empty: none): send query ids
     worker: str = ""  # host:pid of the worker process
+
+    def __post_init__(self) -> None:
+        # A convention this process does not know cannot be read: the card is refused where it is
+        # decoded, naming it. (Imported here: the conventions are described with this module's Tags.)
+        from shared.conventions.registry import get as registered_convention
+        registered_convention(self.convention)
 
 
 @dataclass
@@ -147,17 +162,29 @@ class ModelCard(Message):
     architecture: str
     context_budget: int  # per-request tokens, prompt + completion (--ctx)
     n_vocab: int
-    tokenizer: dict[str, Any]  # shared.tokenizer.Tokenizer.to_spec()
+    tokenizer: TokenizerSpec  # shared.tokenizer.Tokenizer.to_spec()
     chat_template: str | None
     fingerprint: str
     capabilities: Capabilities
     instance: str = ""  # new on every worker start: a change means in-flight work is lost
 
 
+class GrammarKind(enum.StrEnum):
+    """What a Grammar's source is written in (worker/grammar.py compiles each)."""
+    JSON_SCHEMA = "json_schema"
+    JSON_OBJECT = "json_object"  # any JSON object; the source is unused
+    REGEX = "regex"
+    LARK = "lark"
+    LLGUIDANCE = "llguidance"  # a serialized llguidance grammar
+
+
 @dataclass
 class Grammar:
-    kind: str  # "json_schema" | "json_object" | "regex" | "lark" | "llguidance"
+    kind: GrammarKind  # a plain string of one of its values is taken too
     source: str
+
+    def __post_init__(self) -> None:
+        self.kind = GrammarKind(self.kind)
 
 
 INT32 = next(code for code in "il" if array.array(code).itemsize == 4)  # the array type code of int32
@@ -250,17 +277,28 @@ class Rejected(Message):
     message: str = ""
 
 
+class TopLogprob(NamedTuple):
+    """One of the likeliest tokens at a position; ``[id, logprob]`` on the wire."""
+    token_id: int
+    logprob: float
+
+
+class PromptLogprob(NamedTuple):
+    """One prompt token scored; ``[logprob, [[id, logprob], ...]]`` on the wire."""
+    logprob: float | None  # None for the first token: nothing predicts it
+    top: list[TopLogprob]
+
+
 @dataclass
 class Tokens(Message):
     TYPE = MsgType.TOKENS
     request_id: str
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
-    top_logprobs: list[list[list[float]]] | None = None  # per token: [[id, logprob], ...]
+    top_logprobs: list[list[TopLogprob]] | None = None  # per token, its alternatives
     cached_tokens: int | None = None  # on a stream's first TOKENS: prompt tokens reused from cache
     # once, before any generated token, for a request with prompt_logprobs: per prompt token
-    # [logprob, [[id, logprob], ...]] (the first token's logprob None: nothing predicts it)
-    prompt_logprobs: list[list[Any]] | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 @dataclass
@@ -321,7 +359,9 @@ def decode(frames: list[bytes]) -> Message:
     except ProtocolError:
         raise
     except (TypeError, ValueError, InvalidRequestError) as exc:
-        raise ProtocolError(f"malformed {cls.__name__}: {exc}") from exc
+        request_id = body.get("request_id")
+        raise ProtocolError(f"malformed {cls.__name__}: {exc}",
+                            request_id if isinstance(request_id, str) else None) from exc
 
 
 def version_mismatch_message(ours: int, theirs: int, side: str) -> str:

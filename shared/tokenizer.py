@@ -17,8 +17,8 @@ today. What a GGUF file says, and how we read it:
 - ``add_bos_token`` / ``add_eos_token`` decide what ``add_special`` adds; when absent the
   pre-tokenizer's own default applies (llama3-style vocabularies add BOS).
 
-``to_spec()`` is a plain msgpack-friendly dict, so a gateway can rebuild the same tokenizer
-without the model file.
+``to_spec()`` is a ``shared.tokenizer_spec.TokenizerSpec`` of plain values, so a gateway can
+rebuild the same tokenizer without the model file.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import re
 import threading
 from array import array
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from itertools import accumulate
 from typing import Any
 
@@ -38,11 +38,10 @@ from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from shared.errors import TokenizerError
+from shared.tokenizer_spec import SPEC_FORMAT, TokenizerSpec
+from shared.wire_types import WireTypeError, checked
 
 log = logging.getLogger(__name__)
-
-SPEC_FORMAT = 1
-_SPEC_KEYS = ("model", "tokens", "token_types", "bos_id", "eos_id", "add_bos", "add_eos")
 
 TOKEN_NORMAL = 1
 TOKEN_UNKNOWN = 2
@@ -207,11 +206,11 @@ class VocabularyModel:
         raise NotImplementedError
 
     @classmethod
-    def check(cls, spec: dict[str, Any]) -> None:
+    def check(cls, spec: TokenizerSpec) -> None:
         """Raise TokenizerError when a received spec lacks or garbles this kind's entries."""
 
     @classmethod
-    def add_bos_default(cls, spec: dict[str, Any]) -> bool:
+    def add_bos_default(cls, spec: TokenizerSpec) -> bool:
         return False
 
     @classmethod
@@ -224,13 +223,13 @@ class VocabularyModel:
         return [cls.piece_bytes(piece, types[index]) for index, piece in enumerate(tokens)]
 
     @classmethod
-    def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
+    def encoder(cls, spec: TokenizerSpec, vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
         """The encoder over the ordinary tokens; added tokens are registered by ``encode_with``.
         ``space_prefix`` False: a text that continues another (no leading-space rule)."""
         raise NotImplementedError
 
     @classmethod
-    def encode_with(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool,
+    def encode_with(cls, spec: TokenizerSpec, vocab: dict[str, int], space_prefix: bool,
                     added: AddedTexts) -> Callable[[str], list[int]]:
         """A function from text to ids: ``encoder`` with the added tokens matched first."""
         return with_added(cls.encoder(spec, vocab, space_prefix), added)
@@ -263,15 +262,15 @@ class ByteLevelBPE(VocabularyModel):
         return {"pre": pre, "merges": merges}
 
     @classmethod
-    def check(cls, spec: dict[str, Any]) -> None:
-        if not isinstance(spec.get("merges"), list):
+    def check(cls, spec: TokenizerSpec) -> None:
+        if spec.merges is None:
             raise TokenizerError("tokenizer spec lacks merges")
-        _check_pre(spec.get("pre"))
+        _check_pre(spec.pre)
         _check_merges(spec)
 
     @classmethod
-    def add_bos_default(cls, spec: dict[str, Any]) -> bool:
-        return PRE_KINDS[PRE_NAMES[spec["pre"]]].add_bos_default
+    def add_bos_default(cls, spec: TokenizerSpec) -> bool:
+        return PRE_KINDS[PRE_NAMES[spec.pre]].add_bos_default
 
     @classmethod
     def piece_bytes(cls, piece: str, token_type: int) -> bytes:
@@ -282,9 +281,9 @@ class ByteLevelBPE(VocabularyModel):
             return piece.encode("utf-8")
 
     @classmethod
-    def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
-        kind = PRE_KINDS[PRE_NAMES[spec["pre"]]]
-        backend = _stored_merges_bpe(vocab, spec["merges"], ignore_merges=kind.ignore_merges)
+    def encoder(cls, spec: TokenizerSpec, vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
+        kind = PRE_KINDS[PRE_NAMES[spec.pre]]
+        backend = _stored_merges_bpe(vocab, spec.merges, ignore_merges=kind.ignore_merges)
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in kind.splits]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
@@ -300,11 +299,11 @@ def _stored_merges_bpe(vocab: dict[str, int], lines: list[str], **options: Any) 
         raise TokenizerError(f"the vocabulary's BPE merges are inconsistent: {exc}") from exc
 
 
-def _check_merges(spec: dict[str, Any]) -> None:
+def _check_merges(spec: TokenizerSpec) -> None:
     """Every merge is "left right" with left, right and their union in the vocabulary (what the
     encoder, built on first use, would refuse later)."""
-    pieces = set(spec["tokens"])
-    for left, right in _merge_pairs(spec["merges"]):
+    pieces = set(spec.tokens)
+    for left, right in _merge_pairs(spec.merges):
         if left not in pieces or right not in pieces or left + right not in pieces:
             raise TokenizerError(f"the vocabulary's BPE merges are inconsistent: {left!r} + {right!r} "
                                  "names a piece the vocabulary lacks")
@@ -381,13 +380,12 @@ class SentencePieceBPE(VocabularyModel):
         return {"scores": array("f", scores).tobytes(), "add_space_prefix": True if prefix is None else bool(prefix)}
 
     @classmethod
-    def check(cls, spec: dict[str, Any]) -> None:
-        scores = spec.get("scores")
-        if not isinstance(scores, bytes) or len(scores) != 4 * len(spec["tokens"]):
+    def check(cls, spec: TokenizerSpec) -> None:
+        if spec.scores is None or len(spec.scores) != 4 * len(spec.tokens):
             raise TokenizerError("tokenizer spec lacks one score per token")
 
     @classmethod
-    def add_bos_default(cls, spec: dict[str, Any]) -> bool:
+    def add_bos_default(cls, spec: TokenizerSpec) -> bool:
         return True
 
     @classmethod
@@ -409,23 +407,23 @@ class SentencePieceBPE(VocabularyModel):
         return pieces
 
     @classmethod
-    def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
+    def encoder(cls, spec: TokenizerSpec, vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
         """The same encoder as a Hugging Face BPE of every split (``sentencepiece_merges``):
         for parity checks; ``encode_with`` serves without the table of merges."""
         scores = array("f")
-        scores.frombytes(spec["scores"])
-        merges = sentencepiece_merges(spec["tokens"], spec["token_types"], scores)
+        scores.frombytes(spec.scores)
+        merges = sentencepiece_merges(spec.tokens, spec.token_types, scores)
         backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=False))
         steps = [normalizers.Replace(" ", "\u2581")]
-        if spec["add_space_prefix"] and space_prefix:
+        if spec.add_space_prefix and space_prefix:
             steps.insert(0, normalizers.Prepend(" "))
         backend.normalizer = normalizers.Sequence(steps)
         return backend
 
     @classmethod
-    def encode_with(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool,
+    def encode_with(cls, spec: TokenizerSpec, vocab: dict[str, int], space_prefix: bool,
                     added: AddedTexts) -> Callable[[str], list[int]]:
-        return SentencePieceEncoder(spec, vocab, spec["add_space_prefix"] and space_prefix, added)
+        return SentencePieceEncoder(spec, vocab, bool(spec.add_space_prefix) and space_prefix, added)
 
 
 class SentencePieceEncoder:
@@ -441,11 +439,11 @@ class SentencePieceEncoder:
     Hugging Face tokenizer holds as a table of half a million merges for Gemma's vocabulary
     (a hundred megabytes); here a pair's rank is computed from the union's score and id."""
 
-    def __init__(self, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool, added: AddedTexts):
+    def __init__(self, spec: TokenizerSpec, vocab: dict[str, int], space_prefix: bool, added: AddedTexts):
         self.vocab = vocab
-        self.types = spec["token_types"]
+        self.types = spec.token_types
         self.scores = array("f")
-        self.scores.frombytes(spec["scores"])
+        self.scores.frombytes(spec.scores)
         self.space_prefix = space_prefix
         self.byte_ids = [vocab.get(f"<0x{b:02X}>") for b in range(256)]
         texts = set(added.user_defined) | (set(added.special) if added.match_special else set())
@@ -538,19 +536,19 @@ class Gemma4BPE(SentencePieceBPE):
         return {"merges": _get(meta, "tokenizer.ggml.merges", list)}
 
     @classmethod
-    def check(cls, spec: dict[str, Any]) -> None:
-        if not isinstance(spec.get("merges"), list):
+    def check(cls, spec: TokenizerSpec) -> None:
+        if spec.merges is None:
             raise TokenizerError("tokenizer spec lacks merges")
         _check_merges(spec)
 
     @classmethod
-    def encode_with(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool,
+    def encode_with(cls, spec: TokenizerSpec, vocab: dict[str, int], space_prefix: bool,
                     added: AddedTexts) -> Callable[[str], list[int]]:
         return with_added(cls.encoder(spec, vocab, space_prefix), added)  # the file's own merges
 
     @classmethod
-    def encoder(cls, spec: dict[str, Any], vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
-        backend = _stored_merges_bpe(vocab, spec["merges"], byte_fallback=True, fuse_unk=False)
+    def encoder(cls, spec: TokenizerSpec, vocab: dict[str, int], space_prefix: bool = True) -> _HFTokenizer:
+        backend = _stored_merges_bpe(vocab, spec.merges, byte_fallback=True, fuse_unk=False)
         backend.normalizer = normalizers.Replace(" ", "\u2581")
         backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
         return backend
@@ -564,21 +562,21 @@ VOCABULARY_MODELS: dict[str, type[VocabularyModel]] = {
 class Tokenizer:
     """Text <-> token ids, exactly as the model was trained to see them."""
 
-    def __init__(self, spec: dict[str, Any]):
+    def __init__(self, spec: TokenizerSpec):
         """Build from a spec (see ``to_spec``); use ``from_gguf_metadata`` or ``from_spec``."""
         self._spec = spec
-        self._tokens: list[str] = list(spec["tokens"])
-        self._types: bytes = bytes(spec["token_types"])
-        self._model = VOCABULARY_MODELS[spec["model"]]
-        self._bos_id: int | None = spec.get("bos_id")
-        self._eos_id: int | None = spec.get("eos_id")
-        self._add_bos: bool = bool(spec["add_bos"])
-        self._add_eos: bool = bool(spec["add_eos"])
+        self._tokens: list[str] = list(spec.tokens)
+        self._types: bytes = bytes(spec.token_types)
+        self._model = VOCABULARY_MODELS[spec.model]
+        self._bos_id: int | None = spec.bos_id
+        self._eos_id: int | None = spec.eos_id
+        self._add_bos: bool = spec.add_bos
+        self._add_eos: bool = spec.add_eos
 
         # the few texts looked up here, in one pass over the vocabulary
         found = {piece: index for index, piece in enumerate(self._tokens) if piece in END_OF_TURN_TEXTS}
         types = bytearray(self._types)
-        stop_ids = {i for i in (self._eos_id, spec.get("eot_id"), spec.get("eom_id")) if i is not None}
+        stop_ids = {i for i in (self._eos_id, spec.eot_id, spec.eom_id) if i is not None}
         for text in END_OF_TURN_TEXTS:
             index = found.get(text)
             if index is not None:
@@ -636,55 +634,56 @@ class Tokenizer:
             type_bytes = bytes(int(t) for t in types[:size])
         except (TypeError, ValueError) as exc:
             raise TokenizerError(f"tokenizer.ggml.token_type is malformed: {exc}") from exc
-        spec = {
-            "format": SPEC_FORMAT,
-            "model": model,
-            **entries,
-            "tokens": tokens,
-            "token_types": type_bytes,
-            "bos_id": _optional_id(meta, "tokenizer.ggml.bos_token_id", size),
-            "eos_id": _optional_id(meta, "tokenizer.ggml.eos_token_id", size),
-            "eot_id": _optional_id(meta, "tokenizer.ggml.eot_token_id", size),
-            "eom_id": _optional_id(meta, "tokenizer.ggml.eom_token_id", size),
-            "add_bos": (vocabulary.add_bos_default(entries) if add_bos is None
-                        else bool(add_bos) or vocabulary.always_bos),
-            "add_eos": False if add_eos is None else bool(add_eos),
-            "fim_ids": _fim_ids(meta, tokens, type_bytes),
-        }
+        spec = TokenizerSpec(
+            model=model, tokens=tokens, token_types=type_bytes,
+            bos_id=_optional_id(meta, "tokenizer.ggml.bos_token_id", size),
+            eos_id=_optional_id(meta, "tokenizer.ggml.eos_token_id", size),
+            eot_id=_optional_id(meta, "tokenizer.ggml.eot_token_id", size),
+            eom_id=_optional_id(meta, "tokenizer.ggml.eom_token_id", size),
+            add_bos=bool(add_bos) or vocabulary.always_bos, add_eos=bool(add_eos),
+            fim_ids=_fim_ids(meta, tokens, type_bytes), **entries)
+        if add_bos is None:
+            spec.add_bos = vocabulary.add_bos_default(spec)
         return cls.from_spec(spec)
 
     @classmethod
-    def from_spec(cls, spec: dict[str, Any]) -> Tokenizer:
-        """Rebuild from ``to_spec()`` output (e.g. received over the wire)."""
-        if not isinstance(spec, dict) or spec.get("format") != SPEC_FORMAT:
-            found = spec.get("format") if isinstance(spec, dict) else type(spec).__name__
+    def from_spec(cls, spec: TokenizerSpec | dict[str, Any]) -> Tokenizer:
+        """Rebuild from ``to_spec()`` output, or its map as msgpack carries it (``spec_map``)."""
+        if isinstance(spec, dict):
+            try:
+                spec = checked(spec, TokenizerSpec, "tokenizer spec")
+            except WireTypeError as exc:
+                raise TokenizerError(exc.message) from exc
+        if spec.format != SPEC_FORMAT:
             raise TokenizerError(
-                f"tokenizer spec format {found!r} is not the supported format {SPEC_FORMAT}"
+                f"tokenizer spec format {spec.format!r} is not the supported format {SPEC_FORMAT}"
             )
-        if spec.get("model") not in VOCABULARY_MODELS:
+        if spec.model not in VOCABULARY_MODELS:
             raise TokenizerError(
-                f"tokenizer spec model {spec.get('model')!r} is not supported "
+                f"tokenizer spec model {spec.model!r} is not supported "
                 f"(supported: {', '.join(VOCABULARY_MODELS)})"
             )
-        missing = [key for key in _SPEC_KEYS if key not in spec]
-        if missing:
-            raise TokenizerError(f"tokenizer spec lacks {', '.join(missing)}")
-        VOCABULARY_MODELS[spec["model"]].check(spec)
-        size = len(spec["tokens"])
-        if len(spec["token_types"]) != size:
-            raise TokenizerError(f"tokenizer spec has {len(spec['token_types'])} token types "
+        VOCABULARY_MODELS[spec.model].check(spec)
+        size = len(spec.tokens)
+        if len(spec.token_types) != size:
+            raise TokenizerError(f"tokenizer spec has {len(spec.token_types)} token types "
                                  f"for {size} tokens")
-        if spec.get("add_bos") and spec.get("bos_id") is None:
+        if spec.add_bos and spec.bos_id is None:
             raise TokenizerError("the vocabulary asks for a BOS token but names none "
                                  "(tokenizer.ggml.bos_token_id)")
-        if spec.get("add_eos") and spec.get("eos_id") is None:
+        if spec.add_eos and spec.eos_id is None:
             raise TokenizerError("the vocabulary asks for an EOS token but names none "
                                  "(tokenizer.ggml.eos_token_id)")
         return cls(spec)
 
-    def to_spec(self) -> dict[str, Any]:
-        """Everything needed to rebuild this tokenizer, as msgpack-serialisable plain values."""
-        return dict(self._spec)
+    def to_spec(self) -> TokenizerSpec:
+        """Everything needed to rebuild this tokenizer, as plain values (a copy: the caller may
+        change it)."""
+        return replace(self._spec)
+
+    def spec_map(self) -> dict[str, Any]:
+        """``to_spec()`` as the map msgpack carries."""
+        return asdict(self._spec)
 
     @property
     def _piece_to_id(self) -> dict[str, int]:
@@ -702,7 +701,7 @@ class Tokenizer:
         return self._model.encode_with(self._spec, self._piece_to_id, space_prefix, added)
 
     def _backend(self, match_special: bool, space_prefix: bool) -> Callable[[str], list[int]]:
-        if not self._spec.get("add_space_prefix"):
+        if not self._spec.add_space_prefix:
             space_prefix = True  # no such rule: one encoder serves both
         key = (match_special, space_prefix)
         with self._backends_lock:
@@ -780,7 +779,7 @@ class Tokenizer:
     @property
     def fim_ids(self) -> tuple[int, int, int] | None:
         """The fill-in-the-middle tokens (prefix, suffix, middle), where the vocabulary has them."""
-        ids = self._spec.get("fim_ids")
+        ids = self._spec.fim_ids
         return tuple(ids) if ids else None
 
     @property
@@ -790,7 +789,7 @@ class Tokenizer:
     @property
     def pre(self) -> str | None:
         """The pre-tokenizer's name, for the kinds of vocabulary that have one."""
-        return self._spec.get("pre")
+        return self._spec.pre
 
     @property
     def stop_ids(self) -> frozenset[int]:

@@ -25,6 +25,11 @@ class WireTypeError(ValueError):
         self.message = message
 
 
+# the exact Python types a msgpack value of a plain declared type decodes to (a boolean is no integer)
+PLAIN_TYPES: dict[Any, tuple[type, ...]] = {str: (str,), int: (int,), float: (int, float), bytes: (bytes,),
+                                            bool: (bool,)}
+
+
 @functools.cache
 def declared_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
@@ -49,8 +54,8 @@ def fields_of(cls: type, body: dict[str, Any], path: str = "", wire_types: dict[
 
 
 def checked(value: Any, expected: Any, where: str) -> Any:
-    """``value`` if it is of the type ``expected`` (an enum member or a dataclass built from it
-    where one is declared); else WireTypeError."""
+    """``value`` if it is of the type ``expected`` (an enum member, a dataclass or a NamedTuple
+    built from it where one is declared); else WireTypeError."""
     origin, args = typing.get_origin(expected), typing.get_args(expected)
     if expected is Any:
         return value
@@ -72,7 +77,16 @@ def checked(value: Any, expected: Any, where: str) -> Any:
         if from_wire is not None:  # its wire form differs from its fields
             return from_wire(value, f"{where}.")
         return expected(**fields_of(expected, value, f"{where}."))
+    if is_named_tuple(expected):  # travels as a list of its fields, in order
+        if len(value) != len(expected._fields):
+            raise WireTypeError(where, f"{where} must be a list of {len(expected._fields)}, not of {len(value)}")
+        kinds = declared_types(expected)
+        return expected(*(checked(item, kinds[name], f"{where}[{i}]")
+                          for i, (item, name) in enumerate(zip(value, expected._fields))))
     if origin is list:
+        plain = PLAIN_TYPES.get(args[0])
+        if plain is not None and all(type(item) in plain for item in value):
+            return value  # a long list of plain values (a vocabulary) passes without a call per item
         return [checked(item, args[0], f"{where}[{i}]") for i, item in enumerate(value)]
     if origin is tuple:
         if len(value) != len(args):
@@ -101,9 +115,13 @@ def fits_outside(value: Any, expected: Any) -> bool:
         return True  # which values it takes is the enum's to say
     if dataclasses.is_dataclass(expected):
         return isinstance(value, dict)
-    if origin is tuple:
+    if origin is tuple or is_named_tuple(expected):
         return isinstance(value, list)
     return isinstance(value, origin)
+
+
+def is_named_tuple(expected: Any) -> bool:
+    return isinstance(expected, type) and issubclass(expected, tuple) and hasattr(expected, "_fields")
 
 
 def mismatch(value: Any, expected: Any, where: str) -> WireTypeError:
@@ -117,7 +135,7 @@ def type_name(expected: Any) -> str:
         return " or ".join(type_name(option) for option in typing.get_args(expected))
     if origin is dict or dataclasses.is_dataclass(expected):
         return "a map"
-    if origin in (list, tuple):
+    if origin in (list, tuple) or is_named_tuple(expected):
         return "a list"
     return {str: "a string", int: "an integer", float: "a number", bool: "true or false", bytes: "bytes",
             type(None): "nil"}.get(origin, getattr(origin, "__name__", str(origin)))

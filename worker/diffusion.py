@@ -27,6 +27,8 @@ from collections import deque
 
 import numpy as np
 
+from shared.errors import InvalidRequestError
+from shared.protocol import Generate
 from shared.sampling_params import SamplingParams
 from worker.engine.archs.diffusion_gemma import DiffusionSettings
 
@@ -108,3 +110,17 @@ class CanvasWriter:
         if self.best is None:
             raise RuntimeError("no denoising pass has run yet")
         return [int(t) for t in self.best]
+
+
+def check_request(request: Generate) -> None:
+    """InvalidRequestError for what a text-diffusion model cannot do: its tokens are not drawn
+    one by one from a next-token distribution, so there is nothing to constrain token by token or
+    to report log-probabilities of."""
+    params = request.sampling
+    unsupported = [what for what, asked in (
+        ("constrained output (a grammar, JSON schema or forced tool call)", request.grammar is not None),
+        ("log-probabilities", params.logprobs or params.top_logprobs > 0 or request.prompt_logprobs >= 0),
+        ("cartridges", bool(request.cartridge_ids))) if asked]
+    if unsupported:
+        raise InvalidRequestError(f"this model writes its replies a block at a time (text diffusion): "
+                                  f"{', '.join(unsupported)} cannot be served on it")

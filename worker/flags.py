@@ -9,7 +9,7 @@ import os
 from kvstore.chunks import DEFAULT_CHUNK_TOKENS
 from shared import log_format
 from shared.command_line import CommaList, EnvParser, env_name, new_parser
-from shared.protocol import DEFAULT_ENDPOINT
+from shared.protocol import DEFAULT_ENDPOINT, DEFAULT_QUEUE, HEARTBEAT_TIMEOUT
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -80,7 +80,7 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve the worker's Prometheus metrics on this port (0: not at all), on the host of "
                         "the worker's tcp endpoint (loopback for ipc)")
-    p.add_argument("--queue", type=int, default=16, help="max queued requests before 429")
+    p.add_argument("--queue", type=int, default=DEFAULT_QUEUE, help="max queued requests before 429")
     p.add_argument("--batch", type=int, default=1,
                    help="lockstep-decode up to N requests together (raises --kv-slots to N)")
     p.add_argument("--kv-slots", type=int, default=0,
@@ -88,7 +88,7 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
                         "half of the memory available holds, from 4 to 16; a slot costs only what it holds)")
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="prompt tokens computed per step while other streams decode")
-    p.add_argument("--heartbeat-timeout", type=float, default=6.0,
+    p.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT,
                    help="seconds of silence after which a gateway's requests are ended")
     p.add_argument("--kv-store", default=None,
                    help="Redis URL of the kvstore (redis://host:6379/0): evicted KV spills there, "

@@ -19,11 +19,10 @@ import llguidance.numpy as llnp
 import numpy as np
 
 from shared.errors import InvalidRequestError
-from shared.protocol import Grammar
+from shared.protocol import Grammar, GrammarKind
 from shared.tokenizer import Tokenizer
 from worker import metrics
 
-KINDS = ("json_schema", "json_object", "regex", "lark", "llguidance")
 # Compact JSON with at most a little whitespace: a small model left free to emit whitespace can
 # loop on it forever inside a JSON value.
 JSON_OPTIONS = {"whitespace_pattern": r"[ \n]{0,2}"}
@@ -75,15 +74,13 @@ class GrammarEngine:
                                                      n_vocab=self.n_vocab, eos_token=stops)
             return self._ll_tokenizer
 
-    def compile(self, kind: str, source: str) -> str:
+    def compile(self, kind: GrammarKind, source: str) -> str:
         """A serialized llguidance grammar, or InvalidRequestError naming what is wrong."""
-        if kind not in KINDS:
-            raise InvalidRequestError(f"grammar kind must be one of {', '.join(KINDS)}, got {kind!r}")
-        if kind == "json_object":
+        if kind == GrammarKind.JSON_OBJECT:
             grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-        elif kind == "json_schema":
+        elif kind == GrammarKind.JSON_SCHEMA:
             try:
-                schema = json.loads(source) if isinstance(source, str) else source
+                schema = json.loads(source)
             except json.JSONDecodeError as exc:
                 raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc.msg}")
             if not isinstance(schema, (dict, bool)):
@@ -92,11 +89,11 @@ class GrammarEngine:
                 grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             except ValueError as exc:
                 raise InvalidRequestError(f"the JSON schema cannot be used: {exc}")
-        elif kind == "regex":
+        elif kind == GrammarKind.REGEX:
             grammar = llg.LLMatcher.grammar_from_regex(source)
-        elif kind == "lark":
+        elif kind == GrammarKind.LARK:
             grammar = llg.LLMatcher.grammar_from_lark(source)
-        else:
+        else:  # GrammarKind.LLGUIDANCE
             grammar = source
         error = llg.LLMatcher.validate_grammar(grammar, self.ll_tokenizer(), limits=LIMITS)
         if error:

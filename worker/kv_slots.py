@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from shared.prefix_digest import prefix_digests
 from worker.engine.kv_cache import KVCache
 from worker.engine.model import DecoderModel
 
@@ -91,6 +92,16 @@ class SlotPool:
         # a cache that cannot be cut back (recurrent state) kept all of it or nothing: the
         # exact prompt again keeps nothing, since one token must be computed
         return SlotChoice(best, best.cache.length)
+
+    def digests(self) -> list[bytes]:
+        """What the slots hold, as the prefix digests gateways route by (conversation tokens
+        only: a cartridge's pseudo-ids, alike in every slot, are left out)."""
+        held: dict[bytes, None] = {}
+        for slot in self.slots:
+            tokens = slot.cache.tokens[:]  # a copy, taken whole while the engine thread works on
+            skip = next((i for i, t in enumerate(tokens) if t >= 0), len(tokens))  # pseudo-ids lead
+            held.update(dict.fromkeys(prefix_digests(tokens[skip:])))
+        return list(held)
 
     def release(self, slot: Slot) -> None:
         slot.busy = False

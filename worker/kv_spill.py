@@ -152,6 +152,26 @@ class KVSpiller:
             cache.spilled = max(cache.spilled, spilled * self.chunk_tokens)
         return queued
 
+    def spill_logged(self, cache: KVCache, namespace: str, whose: str) -> None:
+        """``spill``, a failure logged rather than raised: a reply never fails for the store."""
+        try:
+            self.spill(cache, namespace)
+        except Exception:
+            log.exception("spilling KV of %s failed", whose)
+
+    def spill_filled(self, cache: KVCache, namespace: str, added: int, whose: str) -> None:
+        """After a prompt step read ``added`` tokens: spill the chunks it filled (the rest goes
+        when the request ends)."""
+        if cache.length // self.chunk_tokens > (cache.length - added) // self.chunk_tokens:
+            self.spill_logged(cache, namespace, whose)
+
+    def spill_idle(self, slots) -> None:
+        """On shutdown: keep what every idle slot holds, so a restarted worker can restore it."""
+        for slot in slots:
+            if not slot.busy and slot.cache.length:
+                self.spill(slot.cache, slot.namespace)
+        self.close()
+
     def _queue_record(self, key: str, record: StateRecord) -> None:
         """Queue a small record for the writer (not counted against the pending budget)."""
         with self._lock:

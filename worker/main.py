@@ -17,8 +17,8 @@ from shared.keys import machine_kv_secret, public_keys, read_secret, secret_key
 from shared.load_progress import ProgressBar, StatusWriter
 from shared.memory import fix_mmap_threshold
 from worker import metrics
-from worker.cartridge import Cartridge
-from worker.fleet import Fleet, Retrieval
+from worker.cartridges.cartridge import Cartridge
+from worker.cartridges.fleet import Fleet, Retrieval
 from worker.engine import Engine, kernels
 from worker.engine.compile_ahead import describe
 from worker.flags import build_parser, check_worker_flags, metrics_host, model_argument

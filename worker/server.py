@@ -44,6 +44,7 @@ from shared.wire_security import ServerKeys, secure_server
 from worker.capabilities import convention, has_reasoning_switch, tool_call_tags
 from worker.engine import Engine
 from worker.grammar import GrammarEngine
+from worker.cartridges.choice import CartridgeChoice
 from worker.kv_spill import KVSpiller
 from worker.scheduler import Scheduler, SchedulerSettings
 
@@ -81,11 +82,13 @@ class WorkerServer:
         self.outbox.bind(self.outbox_address)
         self._thread_local = threading.local()
         self.instance = uuid.uuid4().hex
+        sched = settings.scheduler
+        self.cartridges = CartridgeChoice(engine, sched.cartridge, sched.library, sched.fleet)
         self.card = self._model_card()
         self.grammar = GrammarEngine(engine.tokenizer, engine.model.hp.n_vocab,
                                      reasoning_close=self.card.capabilities.reasoning_tags.close)
         self.scheduler = Scheduler(engine, settings.scheduler, self._send_from_any_thread, settings.spiller,
-                                   self.grammar)
+                                   self.grammar, self.cartridges)
         self.scheduler.wake_io = self._wake_io
         self.gateways: dict[bytes, float] = {}  # identity -> last time heard from
         self.greeted: set[bytes] = set()  # gateways that said HELLO to this instance
@@ -103,7 +106,7 @@ class WorkerServer:
                     else chat_template_from_metadata(engine.metadata))
         return ModelCard(
             version=PROTOCOL_VERSION, model_id=engine.model_id, architecture=engine.architecture,
-            context_budget=sched.ctx - sched.prefix, n_vocab=engine.model.hp.n_vocab,
+            context_budget=sched.ctx - self.cartridges.prefix, n_vocab=engine.model.hp.n_vocab,
             tokenizer=engine.tokenizer.to_spec(),
             chat_template=template.source if template else None,
             fingerprint=engine.fingerprint, instance=self.instance,
@@ -112,11 +115,11 @@ class WorkerServer:
                 reasoning_tags=convention(engine.tokenizer, template).reasoning,
                 reasoning=has_reasoning_switch(engine.tokenizer, template),
                 tool_call_tags=tool_call_tags(engine.tokenizer, template),
-                tool_call_format=convention(engine.tokenizer, template).name,
+                convention=convention(engine.tokenizer, template).name,
                 vision=False,  # no architecture here reads images
                 grammar=True, batch=sched.batch, kv_slots=sched.slot_count, queue=sched.queue,
                 kvstore=self.settings.spiller.store.describe() if self.settings.spiller else None,
-                cartridges=list(sched.cartridges),
+                cartridges=list(self.cartridges.available),
                 default_cartridge=sched.cartridge.name if sched.cartridge is not None else None,
                 fleet=sched.fleet.names if sched.fleet is not None else [],
                 worker=f"{socket.gethostname()}:{os.getpid()}"))
@@ -227,7 +230,7 @@ class WorkerServer:
         now = time.monotonic()
         waiting, running = self.scheduler.load()
         beat = Heartbeat(time.time(), self.instance, waiting, running, self.scheduler.pool.free_count(),
-                         self.scheduler.resident_digests()).frames()
+                         self.scheduler.pool.digests()).frames()
         for identity, last_seen in list(self.gateways.items()):
             if now - last_seen > self.settings.heartbeat_timeout:
                 del self.gateways[identity]

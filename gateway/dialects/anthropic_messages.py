@@ -31,6 +31,10 @@ from gateway.dialects import ANTHROPIC
 from gateway.errors import sse_error_payload
 from gateway.generation import Completion, prepare
 from gateway.neutral import (
+    AUTO,
+    NAMED,
+    NONE,
+    REQUIRED,
     Event,
     Finish,
     NeutralRequest,
@@ -40,6 +44,7 @@ from gateway.neutral import (
     TextDelta,
     ToolCallArgumentsDelta,
     ToolCallStart,
+    ToolChoice,
     Usage,
     usage_extras,
 )
@@ -117,7 +122,6 @@ def _parse(body: dict[str, Any], view: ModelView, headers: Any, counting: bool) 
     grammar = _output_format(body)
     reasoning, display, effort = _thinking(body, view)
     messages, prefill = _conversation(body)
-    tool_choice, parallel = _tool_choice(body)
     return NeutralRequest(
         dialect=ANTHROPIC,
         model=field(body, "model", str, default=view.model_id),
@@ -131,8 +135,7 @@ def _parse(body: dict[str, Any], view: ModelView, headers: Any, counting: bool) 
         stop=stop_list(body.get("stop_sequences"), "stop_sequences"),
         tools=[tool for i, t in enumerate(field(body, "tools", list, default=[]))
                if (tool := _tool(t, i)) is not None],
-        tool_choice=tool_choice,
-        parallel_tool_calls=parallel,
+        tool_choice=_tool_choice(body),
         reasoning=reasoning,
         reasoning_effort=effort if reasoning else None,
         prefill=prefill,
@@ -386,21 +389,19 @@ def _tool(tool: Any, i: int) -> dict[str, Any] | None:
     return {"type": "function", "function": function}
 
 
-def _tool_choice(body: dict[str, Any]) -> tuple[Any, bool]:
-    """Anthropic's tool_choice in the neutral (Chat Completions) vocabulary, and whether
-    parallel calls are allowed."""
+def _tool_choice(body: dict[str, Any]) -> ToolChoice:
+    """Anthropic's tool_choice, parallel calls included, as the neutral one."""
     choice = field(body, "tool_choice", dict)
     if choice is None:
-        return "auto", True
+        return ToolChoice()
     kind = field(choice, "type", str, "tool_choice", required=True)
     if kind not in TOOL_CHOICES:
         raise InvalidRequestError(f"'tool_choice.type' must be one of {', '.join(TOOL_CHOICES)}, got {kind!r}",
                                   param="tool_choice.type")
     parallel = not field(choice, "disable_parallel_tool_use", bool, "tool_choice", default=False)
     if kind == "tool":
-        name = field(choice, "name", str, "tool_choice", required=True)
-        return {"type": "function", "function": {"name": name}}, parallel
-    return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
+        return ToolChoice(NAMED, (field(choice, "name", str, "tool_choice", required=True),), parallel=parallel)
+    return ToolChoice({"auto": AUTO, "any": REQUIRED, "none": NONE}[kind], parallel=parallel)
 
 
 # --- rendering ------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import json
 import secrets
 from typing import Any
 
-from gateway.neutral import TokenLogprob
+from gateway.neutral import AUTO, CUSTOM, NAMED, NONE, REQUIRED, TokenLogprob, ToolChoice
 from gateway.prompting import ModelView
 from gateway.request_fields import check_type, field, number_in
 from shared.errors import InvalidRequestError
@@ -162,3 +162,28 @@ def one_constraint(*candidates: tuple[str, dict[str, str] | None]) -> dict[str, 
         raise InvalidRequestError(f"'{given[0][0]}' and '{given[1][0]}' both constrain the reply's format; "
                                   f"send one of them", param=given[1][0])
     return given[0][1] if given else None
+
+
+def openai_tool_choice(choice: Any, parallel: bool = True) -> ToolChoice:
+    """An OpenAI tool_choice, in Chat's shapes or Responses', as the neutral one: "none",
+    "required", a function (``{type: function, function: {name}}`` or ``{type: function, name}``),
+    a freeform tool (``{type: custom, name}``) or allowed tools (Chat nests their mode and list
+    under ``allowed_tools``, Responses keeps them flat). Any other value leaves the model free."""
+    if isinstance(choice, str):
+        return ToolChoice({"none": NONE, "required": REQUIRED}.get(choice, AUTO), parallel=parallel)
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "allowed_tools":
+        nested = choice.get("allowed_tools")
+        allowed = nested if isinstance(nested, dict) else choice
+        if allowed.get("mode") != "required":
+            return ToolChoice(parallel=parallel)
+        names = tuple(entry.get("name") or (entry.get("function") or {}).get("name")
+                      for entry in allowed.get("tools") or [] if isinstance(entry, dict))
+        return ToolChoice(REQUIRED, names, parallel=parallel)
+    if kind in ("function", "tool"):
+        function = choice.get("function")
+        return ToolChoice(NAMED, (choice.get("name") or (function.get("name") if isinstance(function, dict) else None),),
+                          parallel=parallel)
+    if kind == "custom":
+        return ToolChoice(NAMED, (choice.get("name"),), CUSTOM, parallel)
+    return ToolChoice(REQUIRED if kind == "any" else AUTO, parallel=parallel)

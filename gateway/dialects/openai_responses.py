@@ -47,6 +47,7 @@ from gateway.dialects.common import (
     max_tokens_field,
     new_id,
     one_constraint,
+    openai_tool_choice,
     reasoning_from_effort,
 )
 from gateway.dialects import RESPONSES
@@ -281,8 +282,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         max_tokens=max_output_tokens,
         sampling=sampling,
         tools=tools.template_tools(),
-        tool_choice=tool_choice,
-        parallel_tool_calls=parallel,
+        tool_choice=openai_tool_choice(tool_choice, parallel),
         reasoning=reasoning,
         reasoning_effort=effort if reasoning else None,
         stream=bool(field(body, "stream", bool, default=False)),

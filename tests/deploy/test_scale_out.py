@@ -80,6 +80,19 @@ def chat(top: Pool, messages: list[dict], gateway: int = 0, max_tokens: int = 8,
     return raw.headers[WORKER_HEADER], answer.choices[0].message.content or "", answer.usage
 
 
+def heard_since(top: Pool, worker_id: str, since: float) -> bool:
+    """Whether both gateways have heard from the worker after ``since`` (``time.monotonic()``,
+    one clock for every process here). Once its last reply has ended, what they hear is its next
+    heartbeat, which says what it holds and runs now."""
+    for gateway in (0, 1):
+        elapsed = time.monotonic() - since  # read before /health: the gateway's clock is later still
+        described = [w for w in top.health(gateway)["workers"] if w["worker"] == worker_id]
+        # last_heard_s is rounded to a tenth
+        if not described or described[0]["last_heard_s"] is None or described[0]["last_heard_s"] + 0.1 >= elapsed:
+            return False
+    return True
+
+
 def entries(top: Pool, gateway: int) -> list[dict]:
     return access_entries(top.gateways[gateway].log_path, dialects_only=True)
 
@@ -94,14 +107,16 @@ def test_a_conversations_turns_follow_its_prefix_through_either_gateway(pool):
     messages = [{"role": "system", "content": system_prompt(1, 500)},
                 {"role": "user", "content": "Which word comes first in the notes?"}]
     first_worker, reply, first_usage = chat(pool, messages, gateway=0)
+    replied = time.monotonic()
     assert first_worker in pool.worker_ids()
     for turn, gateway in ((2, 1), (3, 0), (4, 1)):
         messages += [{"role": "assistant", "content": reply},
                      {"role": "user", "content": f"And word number {turn}?"}]
         # the heartbeat after the last reply tells both gateways what that worker now holds
-        time.sleep(1.5)
+        assert wait_until(lambda since=replied: heard_since(pool, first_worker, since), 10)
         seen = len(entries(pool, gateway))
         worker, reply, usage = chat(pool, messages, gateway=gateway)
+        replied = time.monotonic()
         entry = entry_after(pool, gateway, seen)
         assert worker == first_worker and entry["worker"] == first_worker
         assert entry["route"] == "prefix", entry
@@ -141,11 +156,16 @@ def _start(target, *args) -> threading.Thread:
     return thread
 
 
-def _busy(top: Pool, worker_id: str, running: int, waiting: int = 0) -> bool:
-    for w in top.health(0)["workers"]:
+def _busy(top: Pool, worker_id: str, running: int, waiting: int = 0, gateway: int = 0) -> bool:
+    """Whether the worker's last heartbeat, as the gateway heard it, counts at least so many."""
+    for w in top.health(gateway)["workers"]:
         if w["worker"] == worker_id:
             return w["running"] >= running and w["waiting"] >= waiting
     return False
+
+
+def _idle(top: Pool, worker_id: str) -> bool:
+    return not _busy(top, worker_id, 1) and not _busy(top, worker_id, 0, 1)
 
 
 def test_a_full_worker_is_skipped_and_429_only_when_all_are_full(pool):
@@ -156,18 +176,20 @@ def test_a_full_worker_is_skipped_and_429_only_when_all_are_full(pool):
     threads = []
     # from an idle pool: a reply an earlier test left running would make both workers look
     # alike to the second request here
-    assert wait_until(lambda: not any(_busy(pool, w, 1) or _busy(pool, w, 0, 1) for w in ids), 60)
+    assert wait_until(lambda: all(_idle(pool, w) for w in ids), 60)
     # one long reply on each worker (the second goes to the less loaded one)
     for i in range(2):
         threads.append(_start(_long_stream, pool, longs[i], 0, outcomes[i]))
         assert wait_until(lambda: "worker" in outcomes[i], 60)
         assert wait_until(lambda: _busy(pool, outcomes[i]["worker"], 1), 30)
     assert {outcomes[0]["worker"], outcomes[1]["worker"]} == set(ids)
-    # then one more waits on each (--queue 1): both workers are now full
-    for i in (2, 3):
+    # then one more waits on each (--queue 1), the second once the first is seen waiting: both
+    # workers are now full
+    for queued, i in enumerate((2, 3), start=1):
         threads.append(_start(_long_stream, pool, longs[i], 0, outcomes[i], 4))
-        time.sleep(0.3)
-    assert wait_until(lambda: all(_busy(pool, w, 1, 1) for w in ids), 30)
+        assert wait_until(lambda count=queued: sum(_busy(pool, w, 1, 1) for w in ids) == count, 30)
+    # both gateways see it, so the one asked next skips both rather than trying one
+    assert wait_until(lambda: all(_busy(pool, w, 1, 1, gateway=g) for w in ids for g in (0, 1)), 30)
     with pytest.raises(openai.RateLimitError) as refused:
         chat(pool, [{"role": "user", "content": "Anyone free?"}], gateway=1)
     assert "full" in str(refused.value)
@@ -177,11 +199,12 @@ def test_a_full_worker_is_skipped_and_429_only_when_all_are_full(pool):
     # a conversation's worker filled up: its next turn goes to the free one, not into a 429
     held = longs[0]
     full = outcomes[0]["worker"]
+    # a heartbeat from after those replies: what the gateway counts next is the new reply alone
+    assert wait_until(lambda: _idle(pool, full), 30)
     threads = [_start(_long_stream, pool, held, 0, outcomes[0])]  # by its prefix, to the same worker
     assert wait_until(lambda: _busy(pool, full, 1), 60)
-    time.sleep(1.5)  # its gateway's view of the load catches up
     threads.append(_start(_long_stream, pool, held, 0, outcomes[1], 4))  # waits there: worth its prefix
-    assert wait_until(lambda: _busy(pool, full, 1, 1), 30)
+    assert wait_until(lambda: all(_busy(pool, full, 1, 1, gateway=g) for g in (0, 1)), 30)
     worker, text, _ = chat(pool, held, gateway=1)
     assert worker != full and text
     assert outcomes[0]["worker"] == outcomes[1]["worker"] == full
@@ -193,10 +216,12 @@ def test_a_killed_worker_costs_only_its_running_replies_and_rejoins(pool):
     held = [{"role": "system", "content": system_prompt(300, 600)},
             {"role": "user", "content": "Which word comes first in the notes?"}]
     victim_id, reply, _ = chat(pool, held)
+    replied = time.monotonic()
     victim = pool.worker_ids()[victim_id]
     survivor_id = next(w for w in pool.worker_ids() if w != victim_id)
     held += [{"role": "assistant", "content": reply}]
-    time.sleep(1.5)  # the gateways hear what the victim holds
+    # the gateways hear what the victim holds, and that it runs nothing now
+    assert wait_until(lambda: heard_since(pool, victim_id, replied), 10)
     # a long reply of the conversation runs on the victim, by its prefix
     running = {}
     stream_thread = _start(_long_stream, pool, held + [{"role": "user", "content": "Write a long story."}],

@@ -9,10 +9,11 @@ import pytest
 from tiny_models import write_tiny_gguf
 
 from shared.errors import ModelLoadError
-from worker.engine import ops
+from worker.engine import kernels, ops
 from worker.engine.archs.llama import LlamaModel
 from worker.engine.gguf_file import GGUFFile
-from worker.engine.model import AttentionOptions, Rope
+from worker.engine.kv_cache import KVCache
+from worker.engine.model import AttentionOptions, ForwardPass, Rope
 
 
 class WindowedLlama(LlamaModel):
@@ -103,3 +104,111 @@ def test_an_unknown_activation_fails_at_load(tiny_llama):
 
     with pytest.raises(ModelLoadError, match="relu6"):
         Odd(tiny_llama)
+
+
+def test_softcap_squashes_into_the_cap_and_a_cap_of_0_leaves_x():
+    x = np.array([-100.0, -3.0, -0.5, 0.0, 0.5, 3.0, 100.0], dtype=np.float32)
+    expected = 2.0 * np.tanh(x.astype(np.float64) / 2.0)
+    np.testing.assert_allclose(ops.softcap(x, 2.0), expected, rtol=1e-6, atol=1e-7)
+    assert ops.softcap(x, 2.0).dtype == np.float32 and np.abs(ops.softcap(x, 2.0)).max() <= 2.0
+    assert ops.softcap(x, 0.0) is x
+
+
+# --- attend: every sequence of a pass over its own cache, against plain numpy ----------------
+
+N_HEAD, N_KV = 4, 2  # two query heads read each KV head
+HELD, NEW = (0, 3, 9), (4, 1, 7)  # what each sequence's cache holds before the pass, and its new rows
+
+
+def reference_attention(q, keys, values, first, scale, window=0, softcap=0.0, bias=None, causal=True):
+    """q [T, H, d] at positions first.. over keys [L, K, d], values [L, K, dv]: head by head in float64."""
+    out = np.zeros((q.shape[0], q.shape[1], values.shape[-1]))
+    for t in range(q.shape[0]):
+        distance = first + t - np.arange(len(keys))
+        for h in range(q.shape[1]):
+            kv = h // (q.shape[1] // keys.shape[1])
+            scores = keys[:, kv].astype(np.float64) @ q[t, h].astype(np.float64) * scale
+            if softcap:
+                scores = softcap * np.tanh(scores / softcap)
+            if bias is not None:
+                near = (distance >= 0) & (distance < bias.shape[-1])
+                scores[near] += bias[t, h, distance[near]]
+            if causal:
+                scores[(distance < 0) | ((distance >= window) if window else False)] = -np.inf
+            weights = np.exp(scores - scores.max())
+            out[t, h] = weights / weights.sum() @ values[:, kv].astype(np.float64)
+    return out.reshape(q.shape[0], -1)
+
+
+def _pass(head_dim: int, seed: int = 11):
+    """Three sequences holding HELD positions, a pass of NEW rows each: the pass, its q, k, v,
+    and each sequence's keys and values before it ([L, K, d])."""
+    rng = np.random.default_rng(seed)
+
+    def rows(n: int, heads: int) -> np.ndarray:
+        return rng.standard_normal((n, heads, head_dim)).astype(np.float32)
+
+    caches, before = [], []
+    for held, new in zip(HELD, NEW):
+        cache = KVCache(1, N_KV, head_dim, 32, kv_type="f32")
+        k, v = rows(held, N_KV), rows(held, N_KV)
+        cache.reserve(held + new)
+        cache.write(0, k, v)
+        cache.commit([0] * held)
+        caches.append(cache)
+        before.append((k, v))
+    ends = np.cumsum(NEW)
+    spans = [(int(end - n), int(end)) for n, end in zip(NEW, ends)]
+    positions = np.concatenate([np.arange(held, held + n) for held, n in zip(HELD, NEW)])
+    fp = ForwardPass(caches, spans, [], positions)
+    total = int(ends[-1])
+    return fp, rows(total, N_HEAD), rows(total, N_KV), rows(total, N_KV), before
+
+
+@pytest.mark.parametrize("head_dim", [6, 16])  # numpy's products; the compiled kernel's sizes
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (4, 0.0), (0, 1.5), (4, 1.5)])
+def test_attend_matches_a_plain_reference(head_dim, window, softcap):
+    fp, q, k, v, before = _pass(head_dim)
+    got = ops.attend(q, k, v, fp, 0, 0.3, window, softcap)
+    for cache, (start, end), (held_k, held_v) in zip(fp.caches, fp.spans, before):
+        keys, values = np.concatenate([held_k, k[start:end]]), np.concatenate([held_v, v[start:end]])
+        np.testing.assert_allclose(got[start:end], reference_attention(q[start:end], keys, values, cache.length,
+                                                                       0.3, window, softcap), atol=2e-5)
+        # this pass's keys and values are in the cache, after what it held
+        np.testing.assert_array_equal(cache.keys[0][:, :len(keys)], keys.transpose(1, 0, 2))
+    # a layer reading the KV another wrote in this pass sees the same
+    np.testing.assert_array_equal(ops.attend(q, None, None, fp, 0, 0.3, window, softcap), got)
+    if head_dim == 16 and kernels.available():  # store and attend in one compiled call: the same rows
+        np.testing.assert_array_equal(ops.attend(q, k, v, fp, 0, 0.3, window, softcap, compiled=True), got)
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_attend_with_a_bias_per_distance(window):
+    fp, q, k, v, before = _pass(6, seed=12)
+    bias = np.random.default_rng(13).standard_normal((q.shape[0], N_HEAD, 3)).astype(np.float32)
+    got = ops.attend(q, k, v, fp, 0, 0.3, window, bias=bias)
+    for cache, (start, end), (held_k, held_v) in zip(fp.caches, fp.spans, before):
+        keys, values = np.concatenate([held_k, k[start:end]]), np.concatenate([held_v, v[start:end]])
+        expected = reference_attention(q[start:end], keys, values, cache.length, 0.3, window, bias=bias[start:end])
+        np.testing.assert_allclose(got[start:end], expected, atol=2e-5)
+    with pytest.raises(ValueError, match="soft cap"):
+        ops.attend(q, k, v, fp, 0, 0.3, window, softcap=1.5, bias=bias)
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_attend_on_a_canvas_sees_both_ways_and_writes_nothing(window):
+    """A canvas's rows see each other and the cache's positions before them (the last
+    window − 1 with a window); the caches are read, not written."""
+    fp, q, k, v, before = _pass(6, seed=14)
+    fp.canvas = True
+    held = [(cache.keys[0].copy(), cache.values[0].copy()) for cache in fp.caches]
+    got = ops.attend(q, k, v, fp, 0, 0.3, window)
+    for cache, (start, end), (held_k, held_v) in zip(fp.caches, fp.spans, before):
+        seen = max(0, cache.length - (window - 1)) if window else 0
+        keys = np.concatenate([held_k[seen:], k[start:end]])
+        values = np.concatenate([held_v[seen:], v[start:end]])
+        expected = reference_attention(q[start:end], keys, values, 0, 0.3, causal=False)
+        np.testing.assert_allclose(got[start:end], expected, atol=2e-5)
+    for cache, (keys, values) in zip(fp.caches, held):
+        np.testing.assert_array_equal(cache.keys[0], keys)
+        np.testing.assert_array_equal(cache.values[0], values)

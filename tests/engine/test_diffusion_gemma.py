@@ -246,7 +246,7 @@ def test_a_second_turn_reuses_its_slot(engine):
 
 def test_a_cartridge_is_refused_plainly(engine, tmp_path):
     from shared.errors import ModelLoadError
-    from worker.cartridge import Cartridge, from_document, write
+    from worker.cartridges.cartridge import Cartridge, from_document, write
 
     cache, tokens = from_document(engine, "A short document for the cartridge.", 8)
     write(tmp_path / "doc.safetensors", engine, cache, tokens, "test")

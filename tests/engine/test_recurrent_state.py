@@ -14,7 +14,7 @@ from tiny_models import write_tiny_gguf
 from shared.errors import ModelLoadError
 from shared.protocol import Finished, Generate, Tokens
 from shared.sampling_params import SamplingParams
-from worker.cartridge import Cartridge, from_document, write
+from worker.cartridges.cartridge import Cartridge, from_document, write
 from worker.engine import Engine
 from worker.scheduler import Scheduler, SchedulerSettings
 

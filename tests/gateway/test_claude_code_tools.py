@@ -89,14 +89,14 @@ def test_forced_grammars_over_claude_codes_whole_tool_set_compile(vocabulary, to
     import llguidance as llg
 
     from gateway.dialects import ANTHROPIC
-    from gateway.neutral import NeutralRequest
-    from gateway.tool_calls import call_schema, hermes_lark
-    from worker.capabilities import HERMES_CALL_TAGS
+    from gateway.neutral import REQUIRED, NeutralRequest, ToolChoice
+    from gateway.tool_calls import call_functions, call_schema
+    from shared.conventions.hermes import HERMES
     from worker.grammar import GrammarEngine
 
     tokenizer = tokenizers[vocabulary]
     engine = GrammarEngine(tokenizer, tokenizer.vocab_size)
-    request = NeutralRequest(dialect=ANTHROPIC, model="m", messages=[], tool_choice={"type": "any"},
+    request = NeutralRequest(dialect=ANTHROPIC, model="m", messages=[], tool_choice=ToolChoice(REQUIRED),
                              tools=[{"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"]}}
                                     for t in TOOLS])
     if vocabulary == "smollm2":
@@ -104,7 +104,7 @@ def test_forced_grammars_over_claude_codes_whole_tool_set_compile(vocabulary, to
             {"anyOf": [call_schema(request, tool, whitespace=False) for tool in request.tools]}))
         call = '{"name":"Glob","arguments":{"pattern":"**/*.py"}}'
     else:
-        grammar = engine.compile("lark", hermes_lark(request, request.tools, HERMES_CALL_TAGS, parallel=True))
+        grammar = engine.compile("lark", HERMES.calls_lark(tokenizer, call_functions(request, request.tools), parallel=True))
         call = '<tool_call>\n{"name": "Glob", "arguments": {"pattern": "**/*.py"}}\n</tool_call>'
     matcher = llg.LLMatcher(engine.ll_tokenizer(), grammar)
     assert not matcher.is_error()

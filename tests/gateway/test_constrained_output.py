@@ -184,11 +184,6 @@ def test_forced_calls_use_the_generic_json_format(oai, claude, stream):
     check_forced_calls(oai, claude, stream, max_tokens=40)
 
 
-def test_tool_choice_none_makes_no_call(oai):
-    reply = chat_reply(oai, False, messages=[user(QUESTION)], tools=CHAT_TOOLS, tool_choice="none", max_tokens=10)
-    assert not reply.message.tool_calls and reply.finish_reason in ("stop", "length")
-
-
 def test_a_forced_custom_tool_returns_its_grammar_as_input(oai):
     tool = {"type": "custom", "name": "paint", "description": "Paints the wall",
             "format": {"type": "grammar", "syntax": "lark", "definition": LARK}}

@@ -15,17 +15,21 @@ import anthropic
 import llguidance as llg
 import openai
 import pytest
+from conftest import write_script
 from gemma4_vocab import gemma4_vocab_metadata
 from test_constrained_output import check_forced_calls
-from conftest import write_script
 from tiny_models import write_tiny_gguf
+from weather_tools import THINKING, weather_tools
 
-from gateway import gemma4_calls, tool_calls
+from gateway import tool_calls
 from gateway.dialects import anthropic_messages, openai_chat, openai_responses
 from gateway.neutral import TextDelta, ToolCallEnd
 from gateway.prompting import ModelView
+from shared.conventions import gemma4
+from shared.conventions.gemma4 import CALLS as GEMMA4_CALL_TAGS
+from shared.conventions.gemma4 import GEMMA4
+from shared.conventions.gemma4 import THOUGHT as GEMMA4_THOUGHT_TAGS
 from shared.tokenizer import Tokenizer
-from worker.capabilities import GEMMA4_CALL_TAGS, GEMMA4_THOUGHT_TAGS
 from worker.grammar import GrammarEngine
 
 THOUGHT = "I should call the tool."
@@ -41,12 +45,7 @@ SCRIPT = {
 RESULT = "22C and sunny [[weather-result]]"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
            "required": ["city"]}
-CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                                 "parameters": WEATHER}}]
-RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city",
-                    "parameters": WEATHER}]
-ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather for a city", "input_schema": WEATHER}]
-THINKING = {"type": "enabled", "budget_tokens": 1024}
+CHAT_TOOLS, RESPONSES_TOOLS, ANTHROPIC_TOOLS = weather_tools(WEATHER)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +80,7 @@ def user(text: str) -> dict[str, Any]:
 def test_the_card_names_gemma4s_conventions(view):
     capabilities = view.card.capabilities
     assert capabilities.reasoning and capabilities.reasoning_tags == GEMMA4_THOUGHT_TAGS
-    assert capabilities.tool_call_tags == GEMMA4_CALL_TAGS and capabilities.tool_call_format == "gemma4"
+    assert capabilities.tool_call_tags == GEMMA4_CALL_TAGS and capabilities.convention == "gemma4"
 
 
 def test_thinking_on_and_off_in_the_prompt(view):
@@ -214,15 +213,15 @@ def test_history_renders_the_gemma4_way(view, dialect):
 
 def test_call_bodies_parse_to_json_values():
     body = 'call:f{a:<|"|>x, y: {z}<|"|>,b:-1.5e3,c:[1,true,null,{d:<|"|><|"|>}],<|"|>e f<|"|>:false}'
-    assert gemma4_calls.parse_call(body) == (
+    assert gemma4.parse_call(body) == (
         "f", {"a": "x, y: {z}", "b": -1500.0, "c": [1, True, None, {"d": ""}], "e f": False})
     for broken in ("f{a:1}", "call:{a:1}", "call:f{a:1", 'call:f{a:<|"|>x}', "call:f{a 1}", "call:f{a:1}x",
                    "call:f[1]", "call:f{a:tru}"):
-        assert gemma4_calls.parse_call(broken) is None, broken
+        assert gemma4.parse_call(broken) is None, broken
 
 
 def test_the_stream_parser_reads_gemma4_blocks_in_pieces():
-    parser = tool_calls.ToolCallParser(GEMMA4_CALL_TAGS, None, tool_calls.SYNTAXES["gemma4"])
+    parser = GEMMA4.call_parser(None)
     text = ('Sure.<|tool_call>call:write{path:<|"|>a.txt<|"|>,text:<|"|>line <tool_call|>\nnext<|"|>}'
             '<tool_call|><|tool_call>call:broken{<tool_call|>')
     events = [event for i in range(0, len(text), 3) for event in parser.push(text[i:i + 3])] + parser.flush()
@@ -246,11 +245,11 @@ def accepts(grammars: tuple[Tokenizer, GrammarEngine], source: str, text: str) -
 
 def test_the_forced_grammar_holds_a_call_to_its_schema(grammars):
     tokenizer, _ = grammars
-    ids = [tokenizer.piece_to_id(t) for t in (GEMMA4_CALL_TAGS.open, GEMMA4_CALL_TAGS.close, gemma4_calls.QUOTE)]
+    ids = [tokenizer.piece_to_id(t) for t in (GEMMA4_CALL_TAGS.open, GEMMA4_CALL_TAGS.close, gemma4.QUOTE)]
     schema = {"type": "object", "additionalProperties": False, "required": ["city"],
               "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer"},
                              "unit": {"enum": ["C", "F"]}}}
-    source = gemma4_calls.lark([("get_weather", schema)], *ids, parallel=True)
+    source = gemma4.lark([("get_weather", schema)], *ids, parallel=True)
     good = ['<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>',
             '<|tool_call>call:get_weather{city:<|"|>Rome<|"|>,days:3,unit:<|"|>C<|"|>}<tool_call|>'
             '<|tool_call>call:get_weather{city:<|"|><|"|>,unit:<|"|>F<|"|>}<tool_call|>']
@@ -270,19 +269,19 @@ def test_patterns_and_property_names_the_syntax_must_take_care_of(grammars):
     free rather than misplaced), and property names that are not bare words (quoted in the call,
     and read back): each grammar compiles and holds what it can."""
     tokenizer, _ = grammars
-    ids = [tokenizer.piece_to_id(t) for t in (GEMMA4_CALL_TAGS.open, GEMMA4_CALL_TAGS.close, gemma4_calls.QUOTE)]
+    ids = [tokenizer.piece_to_id(t) for t in (GEMMA4_CALL_TAGS.open, GEMMA4_CALL_TAGS.close, gemma4.QUOTE)]
     schema = {"type": "object", "additionalProperties": False, "required": ["url", "a:b"],
               "properties": {"url": {"type": "string", "pattern": "^https:\\/\\/[a-z.]+\\/$"},
                              "price": {"type": "string", "pattern": "^\\$[0-9]+$"},
                              "either": {"type": "string", "pattern": "^a|b$"},
                              "a:b": {"type": "integer"}}}
-    source = gemma4_calls.lark([("fetch", schema)], *ids, parallel=False)
+    source = gemma4.lark([("fetch", schema)], *ids, parallel=False)
     call = ('<|tool_call>call:fetch{<|"|>a:b<|"|>:3,either:<|"|>xbx<|"|>,price:<|"|>$12<|"|>,'
             'url:<|"|>https://example.org/<|"|>}<tool_call|>')
     assert accepts(grammars, source, call)
     assert not accepts(grammars, source, call.replace("https://example.org/", "http://example.org/"))
     assert not accepts(grammars, source, call.replace("$12", "12"))
     body = call.removeprefix("<|tool_call>").removesuffix("<tool_call|>")
-    assert gemma4_calls.parse_call(body) == ("fetch", {"a:b": 3, "either": "xbx", "price": "$12",
+    assert gemma4.parse_call(body) == ("fetch", {"a:b": 3, "either": "xbx", "price": "$12",
                                                        "url": "https://example.org/"})
-    assert gemma4_calls.parse_call("call:f{a:" + "[" * 5000) is None  # nested past any real arguments
+    assert gemma4.parse_call("call:f{a:" + "[" * 5000) is None  # nested past any real arguments

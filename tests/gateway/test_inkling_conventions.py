@@ -22,15 +22,15 @@ from test_gemma4_conventions import ANTHROPIC_TOOLS, CHAT_TOOLS, RESPONSES_TOOLS
 from conftest import write_script
 from tiny_models import write_tiny_gguf
 
-from gateway import inkling_blocks, tool_calls
+from gateway import tool_calls
 from gateway.dialects import anthropic_messages, openai_chat, openai_responses
 from gateway.generation import ReplyText
-from gateway.inkling_blocks import InklingBlocks
 from gateway.neutral import ReasoningDelta, TextDelta, ToolCallEnd
 from gateway.prompting import ModelView
 from gateway.stop_strings import StopStringMatcher
 from shared.tokenizer import Tokenizer
-from worker.capabilities import INKLING_CALL_TAGS
+from shared.conventions import inkling
+from shared.conventions.inkling import INKLING, InklingBlocks
 from worker.grammar import GrammarEngine
 
 THOUGHT = "I should check the weather."
@@ -85,7 +85,7 @@ def view(inkling_stack) -> ModelView:
 def read(pieces: list[str], limit: int | None = None, calls: bool = True) -> list[tuple]:
     """The events of a reply fed in these pieces, texts joined, call ids left out."""
     reply = ReplyText(InklingBlocks(calls), StopStringMatcher([]),
-                      tool_calls.ToolCallParser(INKLING_CALL_TAGS, limit, tool_calls.SYNTAXES[tool_calls.INKLING])
+                      INKLING.call_parser(limit)
                       if calls else None)
     events = [event for piece in pieces for event in reply.push(piece)] + reply.finish()
     merged: list[tuple] = []
@@ -142,7 +142,7 @@ def test_cut_off_blocks_still_give_what_they_held():
 
 
 def test_a_call_is_json_with_name_and_args():
-    parse = tool_calls.SYNTAXES[tool_calls.INKLING].parse
+    parse = inkling.SYNTAX.parse
     assert parse(CALL_JSON) == ("get_weather", ARGUMENTS)
     assert parse('{"name":"ping"}') == ("ping", {})
     for broken in ('{"name":"x","args":[1]}', '{"args":{}}', '{"name":"","args":{}}', "[1]", '{"name":"x",'):
@@ -167,7 +167,7 @@ def test_the_forced_grammar_is_call_blocks_of_the_schema(grammars):
     tokenizer, _ = grammars
     functions = [("get_weather", {**WEATHER, "additionalProperties": False}), ("ping", {"type": "object"})]
     call = CALL_BLOCK.removeprefix("<|message_model|>")
-    one = inkling_blocks.lark(tokenizer, functions, parallel=False)
+    one = inkling.lark(tokenizer, functions, parallel=False)
     assert accepts(grammars, one, call)
     assert accepts(grammars, one, 'ping<|content_invoke_tool_json|>{"name":"ping","args":{}}<|end_message|>')
     assert not accepts(grammars, one, call + CALL_BLOCK)  # one call only
@@ -176,22 +176,22 @@ def test_the_forced_grammar_is_call_blocks_of_the_schema(grammars):
     assert not accepts(grammars, one, call.replace('"name":"get_weather"', '"name":"ping"'))  # its own name
     assert not accepts(grammars, one, call.replace(",", ", "))  # compact, as the model writes it
     assert not accepts(grammars, one, "<|content_text|>No.<|end_message|>")
-    several = inkling_blocks.lark(tokenizer, functions, parallel=True)
+    several = inkling.lark(tokenizer, functions, parallel=True)
     assert accepts(grammars, several, call + CALL_BLOCK)
     # with reasoning on: a thinking block may come first, and the call must follow; a call first
     # is held to its schema all the same
-    thinking = inkling_blocks.lark(tokenizer, functions, parallel=False, thinking=True)
+    thinking = inkling.lark(tokenizer, functions, parallel=False, thinking=True)
     assert accepts(grammars, thinking, "<|content_thinking|>Hm.<|end_message|>" + CALL_BLOCK)
     assert accepts(grammars, thinking, call)
     assert not accepts(grammars, thinking, call.replace('"days":2', '"days":"two"'))
     assert not accepts(grammars, thinking, "<|content_thinking|>Hm.<|end_message|>")
     assert not accepts(grammars, thinking, "<|content_text|>Hm.<|end_message|>" + CALL_BLOCK)
-    optional = inkling_blocks.lark(tokenizer, functions, parallel=False, optional=True)
+    optional = inkling.lark(tokenizer, functions, parallel=False, optional=True)
     assert accepts(grammars, optional, "<|content_text|>Just text.<|end_message|>")
     assert accepts(grammars, optional, "<|content_thinking|>Hm.<|end_message|><|message_model|>" + call)
     assert not accepts(grammars, optional, "<|content_text|>x<|end_message|>" + CALL_BLOCK.replace(":2", ':"2"'))
     assert not accepts(grammars, optional, call + CALL_BLOCK)  # one call, and the reply ends with it
-    optional_many = inkling_blocks.lark(tokenizer, functions, parallel=True, optional=True)
+    optional_many = inkling.lark(tokenizer, functions, parallel=True, optional=True)
     assert accepts(grammars, optional_many, call + "<|message_model|><|content_text|>And.<|end_message|>" + CALL_BLOCK)
 
 
@@ -199,8 +199,8 @@ def test_the_forced_grammar_is_call_blocks_of_the_schema(grammars):
 
 def test_the_vocabulary_and_template_make_the_convention(view):
     capabilities = view.card.capabilities
-    assert capabilities.tool_call_format == "inkling" and capabilities.reasoning
-    assert capabilities.tool_call_tags == INKLING_CALL_TAGS
+    assert capabilities.convention == "inkling" and capabilities.reasoning
+    assert capabilities.tool_call_tags == INKLING.calls
     tokenizer = view.tokenizer
     assert tokenizer.pre == "inkling" and not tokenizer.add_bos
     assert tokenizer.eos_id == SPECIAL_IDS["<|content_model_end_sampling|>"]

@@ -59,7 +59,7 @@ def user(text: str) -> dict[str, Any]:
 
 def test_the_card_and_the_turns(view):
     capabilities = view.card.capabilities
-    assert view.card.architecture == "nanochat" and capabilities.tool_call_format == "nanochat"
+    assert view.card.architecture == "nanochat" and capabilities.convention == "nanochat"
     assert not capabilities.reasoning
     assert view.render([{"role": "system", "content": "Be brief."}, user("Hi")]) == (
         "<|bos|><|user_start|>Be brief.\n\nHi<|user_end|><|assistant_start|>")

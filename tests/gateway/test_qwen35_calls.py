@@ -19,9 +19,10 @@ from test_constrained_output import check_forced_calls, in_lark, user
 from conftest import write_script
 from tiny_models import write_tiny_gguf
 
-from gateway import qwen_xml_calls, tool_calls
+from gateway import tool_calls
 from gateway.dialects import openai_chat
 from gateway.prompting import ModelView
+from shared.conventions import qwen_xml
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "templates" / "qwen35_xml.jinja"
 THOUGHT = "I should call the tool."
@@ -73,29 +74,29 @@ def view(qwen35_stack) -> ModelView:
 
 def test_the_template_makes_the_convention(view):
     capabilities = view.card.capabilities
-    assert capabilities.tool_call_format == "qwen_xml" and capabilities.reasoning
+    assert capabilities.convention == "qwen_xml" and capabilities.reasoning
     assert view.render([user("Hi")], reasoning=True).endswith("<|im_start|>assistant\n<think>\n")
 
 
 def test_a_body_is_read_by_its_tools_schemas():
     schemas = {"get_weather": WEATHER, "plan": {"properties": {"steps": {"type": "array"}, "note": {}}}}
     body = WEATHER_CALL.removeprefix("<tool_call>").removesuffix("</tool_call>")
-    assert qwen_xml_calls.parse_call(body, schemas) == ("get_weather", {"city": "São Paulo", "days": 2})
+    assert qwen_xml.parse_call(body, schemas) == ("get_weather", {"city": "São Paulo", "days": 2})
     # a string stays text even when it reads as JSON; other values are JSON where they read so
     typed = "<function=get_weather>\n<parameter=city>\n42\n</parameter>\n</function>"
-    assert qwen_xml_calls.parse_call(typed, schemas) == ("get_weather", {"city": "42"})
+    assert qwen_xml.parse_call(typed, schemas) == ("get_weather", {"city": "42"})
     listed = ("<function=plan>\n<parameter=steps>\n[1, \"two\"]\n</parameter>\n<parameter=note>\n"
               "line one\nline two\n</parameter>\n</function>")
-    assert qwen_xml_calls.parse_call(listed, schemas) == ("plan", {"steps": [1, "two"], "note": "line one\nline two"})
-    assert qwen_xml_calls.parse_call("<function=plan>\n</function>", schemas) == ("plan", {})
+    assert qwen_xml.parse_call(listed, schemas) == ("plan", {"steps": [1, "two"], "note": "line one\nline two"})
+    assert qwen_xml.parse_call("<function=plan>\n</function>", schemas) == ("plan", {})
     for broken in ("get_weather(city=1)", "<function=>\n</function>",
                    "<function=plan>\nstray<parameter=note>\nx\n</parameter>\n</function>",
                    "<function=plan>\n<parameter=note>\nx\n</function>"):
-        assert qwen_xml_calls.parse_call(broken, schemas) is None, broken
+        assert qwen_xml.parse_call(broken, schemas) is None, broken
 
 
 def test_the_forced_grammar_holds_a_call_to_its_schema():
-    grammar = qwen_xml_calls.lark([("get_weather", {**WEATHER, "properties": {
+    grammar = qwen_xml.lark([("get_weather", {**WEATHER, "properties": {
         "city": {"type": "string", "maxLength": 8}, "days": {"type": "integer"}, "unit": {"enum": ["C", "F"]}}})],
         "<tc>", "</tc>", parallel=False).replace("<tc>", '"<tc>"').replace("</tc>", '"</tc>"')
     call = "<tc>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n{}</function>\n</tc>"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.generation import ReasoningSplitter
 from gateway.neutral import ReasoningDelta, TextDelta
-from worker.capabilities import THINK_TAGS
+from shared.conventions.hermes import THINK as THINK_TAGS
+from shared.conventions.reasoning import ReasoningSplitter
 
 
 def split(pieces: list[str], inside: bool = False) -> tuple[str, str]:

@@ -19,8 +19,9 @@ from gateway.neutral import (
     ToolCallEnd,
     ToolCallStart,
 )
-from gateway.tool_calls import ToolCallParser, forces_call, json_fragments
-from worker.capabilities import HERMES_CALL_TAGS
+from gateway.dialects.common import openai_tool_choice
+from shared.conventions.calls import ToolCallParser, json_fragments
+from shared.conventions.hermes import HERMES
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "Europe/Paris", "format": 24}}\n</tool_call>'
@@ -72,7 +73,7 @@ def splits(text: str):
 
 
 def run(pieces: list[str], limit: int | None = None) -> tuple[list[Any], ToolCallParser]:
-    parser = ToolCallParser(HERMES_CALL_TAGS, limit)
+    parser = HERMES.call_parser(limit)
     events = []
     for piece in pieces:
         events += parser.push(piece)
@@ -180,4 +181,4 @@ def _inside_string(prefix: str) -> bool:
     ({"type": "allowed_tools", "mode": "auto", "tools": []}, False),
 ])
 def test_which_tool_choices_force_a_call(choice, forced):
-    assert forces_call(choice) is forced
+    assert openai_tool_choice(choice).forces_call is forced

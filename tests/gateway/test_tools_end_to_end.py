@@ -26,6 +26,7 @@ from test_openai_responses import (
     CODEX_TOOLS,  # namespace, custom and hosted tools, as Codex sends them
 )
 from tiny_models import write_tiny_gguf
+from weather_tools import THINKING, weather_tools
 
 from gateway import tool_calls
 from gateway.dialects import anthropic_messages, openai_chat, openai_responses
@@ -63,13 +64,8 @@ BROKEN_JSON = '{"answer": "yes", oops}'  # scripted under a JSON grammar: the ma
 SCRIPT["[[broken-json]]"] = BROKEN_JSON
 RESULT = "22C and sunny [[weather-result]]"
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                                 "parameters": WEATHER_SCHEMA}}]
-RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city",
-                    "parameters": WEATHER_SCHEMA}]
-ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather for a city", "input_schema": WEATHER_SCHEMA}]
+CHAT_TOOLS, RESPONSES_TOOLS, ANTHROPIC_TOOLS = weather_tools(WEATHER_SCHEMA)
 STREAM_EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
-THINKING = {"type": "enabled", "budget_tokens": 1024}
 
 
 def script_file_entries(tokenizer: Tokenizer) -> list[Any]:
@@ -214,6 +210,19 @@ def test_chat_thinking_on_and_off(oai, stream):
 def test_chat_tool_choice_none_leaves_calls_as_text(oai):
     reply = chat(oai, False, [user("[[call-plain]]")], tool_choice="none")
     assert reply.choices[0].message.content == WEATHER_CALL and reply.choices[0].finish_reason == "stop"
+
+
+def test_tool_choice_none_makes_no_call(oai, claude):
+    """On a model with a convention, a reply that is a call under auto ([[call-plain]]) is no
+    call in any dialect when the client says none: the tools are not shown and the reply is not
+    read for calls."""
+    assert chat(oai, False, [user("[[call-plain]]")]).choices[0].message.tool_calls  # auto: a call
+    reply = chat(oai, False, [user("[[call-plain]]")], tool_choice="none").choices[0]
+    assert not reply.message.tool_calls and reply.finish_reason == "stop"
+    response = respond(oai, False, "[[call-plain]]", tool_choice="none")
+    assert "function_call" not in [item.type for item in response.output]
+    answer = message(claude, False, [user("[[call-plain]]")], tool_choice={"type": "none"})
+    assert answer.stop_reason == "end_turn" and "tool_use" not in [block.type for block in answer.content]
 
 
 # --- Responses ----------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -189,7 +190,7 @@ def test_add_bos_defaults_per_pre_tokenizer(smollm_metadata):
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_spec_round_trips_through_msgpack(vocab, parity, tokenizers):
     tokenizer = tokenizers[vocab]
-    wire = msgpack.packb(tokenizer.to_spec(), use_bin_type=True)
+    wire = msgpack.packb(tokenizer.spec_map(), use_bin_type=True)
     assert len(wire) < 5_000_000  # ~3.4 MB for Qwen's 151k tokens and merges
     rebuilt = Tokenizer.from_spec(msgpack.unpackb(wire, raw=False))
     assert rebuilt.stop_ids == tokenizer.stop_ids and rebuilt.special_ids == tokenizer.special_ids
@@ -202,7 +203,7 @@ def test_spec_round_trips_through_msgpack(vocab, parity, tokenizers):
 
 
 def test_spec_of_another_format_is_refused(smollm_tokenizer):
-    spec = dict(smollm_tokenizer.to_spec(), format=99)
+    spec = dict(smollm_tokenizer.spec_map(), format=99)
     with pytest.raises(TokenizerError, match="format 99"):
         Tokenizer.from_spec(spec)
 
@@ -222,7 +223,7 @@ def test_a_received_spec_is_checked_by_its_kind_of_vocabulary(smollm_tokenizer, 
     """The kind named by ``model`` checks its own entries (byte-level BPE: merges and pre;
     SentencePiece: scores)."""
     with pytest.raises(TokenizerError, match=message):
-        Tokenizer.from_spec({**smollm_tokenizer.to_spec(), **damage})
+        Tokenizer.from_spec({**smollm_tokenizer.spec_map(), **damage})
 
 
 def test_unknown_tokenizer_model_is_a_clear_error(smollm_metadata):
@@ -284,7 +285,7 @@ def test_fill_in_the_middle_tokens_from_the_keys_or_the_texts(qwen_metadata, smo
     assert partial.fim_ids == by_text.fim_ids
     assert smollm_tokenizer.fim_ids is None
     # the ids travel with the spec a worker sends its gateways
-    assert Tokenizer.from_spec(msgpack.unpackb(msgpack.packb(keyed.to_spec()))).fim_ids == (10, 11, 12)
+    assert Tokenizer.from_spec(msgpack.unpackb(msgpack.packb(keyed.spec_map()))).fim_ids == (10, 11, 12)
 
 
 def test_sentencepiece_without_merges_equals_the_bpe_of_every_split(tokenizers):
@@ -304,9 +305,9 @@ def test_sentencepiece_without_merges_equals_the_bpe_of_every_split(tokenizers):
                 + [chr(c) for c in range(0x4e00, 0x4e40)] + [chr(c) for c in range(0x1f600, 0x1f610)])
     samples += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 80))) for _ in range(400)]
     samples += ["<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", "a<unused0>b  c", "\n\n\n"]
-    vocab = {piece: index for index, piece in enumerate(tokenizer.to_spec()["tokens"])}
+    vocab = {piece: index for index, piece in enumerate(tokenizer.to_spec().tokens)}
     for prefix, match_special in ((False, True), (True, True), (True, False)):  # Gemma's rule, then Llama 2's
-        spec = {**tokenizer.to_spec(), "add_space_prefix": prefix}
+        spec = dataclasses.replace(tokenizer.to_spec(), add_space_prefix=prefix)
         added = AddedTexts(tuple(tokenizer.id_to_piece(i) for i in sorted(tokenizer.special_ids)),
                            tuple(tokenizer.id_to_piece(i) for i in sorted(tokenizer.user_defined_ids)), match_special)
         ours = SentencePieceEncoder(spec, vocab, prefix, added)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from conftest import REPO
 
 from shared.chat_template import ChatTemplate, chat_template_from_metadata
-from worker.capabilities import HERMES_CALL_TAGS, has_reasoning_switch, tool_call_tags
+from shared.conventions.hermes import CALLS as HERMES_CALL_TAGS
+from worker.capabilities import has_reasoning_switch, tool_call_tags
 
 QWEN3_TEMPLATE = ChatTemplate((REPO / "tests" / "templates" / "qwen3_hermes.jinja").read_text())
 
@@ -41,7 +42,9 @@ def test_gemma4_thinks_in_its_channel_and_calls_in_its_own_blocks():
     from gemma4_vocab import gemma4_vocab_metadata
 
     from shared.tokenizer import Tokenizer
-    from worker.capabilities import GEMMA4, GEMMA4_CALL_TAGS, convention
+    from shared.conventions.gemma4 import CALLS as GEMMA4_CALL_TAGS
+    from shared.conventions.gemma4 import GEMMA4
+    from worker.capabilities import convention
 
     metadata = gemma4_vocab_metadata()
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
@@ -52,7 +55,8 @@ def test_gemma4_thinks_in_its_channel_and_calls_in_its_own_blocks():
 
 
 def test_a_vocabulary_without_markers_follows_hermes_and_has_neither(smollm_tokenizer):
-    from worker.capabilities import HERMES, convention
+    from shared.conventions.hermes import HERMES
+    from worker.capabilities import convention
 
     assert convention(smollm_tokenizer) is HERMES
 
@@ -61,14 +65,15 @@ def test_inkling_thinks_by_its_effort_and_calls_in_its_blocks():
     from inkling_vocab import inkling_vocab_metadata
 
     from shared.tokenizer import Tokenizer
-    from worker.capabilities import INKLING, INKLING_CALL_TAGS, convention
+    from shared.conventions.inkling import INKLING
+    from worker.capabilities import convention
 
     metadata = inkling_vocab_metadata()
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
     template = chat_template_from_metadata(metadata)
     assert convention(tokenizer) is INKLING
     assert has_reasoning_switch(tokenizer, template)
-    assert tool_call_tags(tokenizer, template) == INKLING_CALL_TAGS
+    assert tool_call_tags(tokenizer, template) == INKLING.calls
     # a template that knows neither the effort nor the tool declaration: neither
     plain = ChatTemplate("{% for m in messages %}<|message_user|>{{ m['content'] }}{% endfor %}{{ tools }}")
     assert not has_reasoning_switch(tokenizer, plain) and tool_call_tags(tokenizer, plain) is None

@@ -1,4 +1,4 @@
-"""Cartridges (worker/cartridge.py): a KV prefix before every conversation. One made from a
+"""Cartridges (worker/cartridges/cartridge.py): a KV prefix before every conversation. One made from a
 document's first tokens must give a conversation exactly what the document in front of it
 gives; a file for another model is refused at start; positions come out of the budget; the
 kvstore keys carry the cartridge; the three dialects are served with one."""
@@ -15,7 +15,7 @@ from tiny_models import write_tiny_gguf
 from shared.errors import ModelLoadError
 from shared.protocol import Finished, Generate, Tokens
 from shared.sampling_params import SamplingParams
-from worker.cartridge import Cartridge, from_document, write, write_arrays
+from worker.cartridges.cartridge import Cartridge, from_document, write, write_arrays
 from worker.engine import Engine
 from worker.scheduler import Scheduler, SchedulerSettings
 
@@ -93,7 +93,7 @@ def test_composed_cartridges_keep_their_trained_distances(tiny):
     """A composition holds its first part as it is and each later part with its keys turned to
     the positions it takes: a query at position p meets a later part's key j as it met it at
     p − offset when the part stood alone, in every layer's RoPE."""
-    from worker.cartridge import compose
+    from worker.cartridges.cartridge import compose
     from worker.engine import ops
 
     folder, engine, doc = tiny
@@ -118,7 +118,7 @@ def test_composed_cartridges_keep_their_trained_distances(tiny):
         assert np.abs(both.keys[layer, :, doc.tokens:] - other.keys[layer]).max() > 1e-2  # they did turn
     # a scheduler makes a composition once and keeps it
     scheduler = Scheduler(engine, SchedulerSettings(ctx=128, cartridge=doc, library=[other]), Outbox())
-    assert scheduler.composed([doc, other]) is scheduler.composed([doc, other])
+    assert scheduler.cartridges.composed([doc, other]) is scheduler.cartridges.composed([doc, other])
 
 
 def test_a_cartridge_for_another_model_is_refused(tiny, tmp_path):

@@ -1,4 +1,4 @@
-"""Training a cartridge (worker/selfstudy.py, worker/cartridge_train.py): the torch mirror
+"""Training a cartridge (training/selfstudy.py, training/trainer.py): the torch mirror
 computes the engine's logits, self-study records the teacher as the engine reads it, training
 lowers the distillation loss as the served engine measures it, a run resumes from its
 checkpoint, and the trained file is served through all three dialects."""
@@ -16,10 +16,10 @@ from tiny_models import write_tiny_gguf
 torch = pytest.importorskip("torch")
 
 from shared.errors import ModelLoadError  # noqa: E402
-from worker.cartridge import Cartridge, from_document  # noqa: E402
-from worker.cartridge_train import Prefix, TorchDecoder, distillation_loss  # noqa: E402
+from worker.cartridges.cartridge import Cartridge, from_document  # noqa: E402
+from training.trainer import Prefix, TorchDecoder, distillation_loss  # noqa: E402
 from worker.engine import Engine  # noqa: E402
-from worker.selfstudy import SEED_PROMPTS, TOP_K, SelfStudy, chunks  # noqa: E402
+from training.selfstudy import SEED_PROMPTS, TOP_K, SelfStudy, chunks  # noqa: E402
 
 DOCUMENT = ("The lighthouse on Varrow Point was built in 1871 by Ada Quint, who painted it green and kept "
             "its lamp for forty years. Ships from Hollin carried her oil across the bay every spring. "
@@ -133,7 +133,7 @@ def trained(models, tmp_path_factory):
 
 
 def test_training_lowers_the_loss_the_engine_serves(models, trained):
-    from worker.cartridge_train import CHECKPOINT_FORMAT
+    from training.trainer import CHECKPOINT_FORMAT
 
     folder, out, first, second = trained
     assert "resuming" in second.stderr and "6 samples written, step 20" in second.stderr
@@ -142,13 +142,13 @@ def test_training_lowers_the_loss_the_engine_serves(models, trained):
     state = torch.load(folder / "facts.safetensors.ckpt", weights_only=False)
     assert state["format"] == CHECKPOINT_FORMAT and state["step"] == 40 and len(state["losses"]) == 40
     engine = Engine.load(models / "llama.gguf", kv_type="f32")
-    from worker.selfstudy import Sample
+    from training.selfstudy import Sample
 
     samples = [Sample.from_dict(d) for d in state["samples"]]
     cartridge = Cartridge.load(out, engine)
     assert cartridge.tokens == 16
     start, _ = from_document(engine, DOCUMENT, 16)
-    from worker.cartridge import write
+    from worker.cartridges.cartridge import write
 
     write(folder / "init.safetensors", engine, start, 16, "untrained")
     untrained = Cartridge.load(folder / "init.safetensors", engine)

@@ -1,4 +1,4 @@
-"""Fleets (worker/fleet.py): a cartridge per document and an index of the served model's own
+"""Fleets (worker/cartridges/fleet.py): a cartridge per document and an index of the served model's own
 pooled hidden states. A message retrieves its document; the choice is kept per conversation (in
 Redis, shared between workers), switched only when adaptive and out-scored by the margin; several
 compose; a worker and gateway serve it in every dialect; bad setups fail at start with the reason."""
@@ -14,9 +14,9 @@ from tiny_models import write_tiny_gguf
 
 pytest.importorskip("torch")
 
-from worker.cartridge import compose  # noqa: E402
+from worker.cartridges.cartridge import compose  # noqa: E402
 from worker.engine import Engine  # noqa: E402
-from worker.fleet import INDEX_FILE, Fleet, Retrieval  # noqa: E402
+from worker.cartridges.fleet import INDEX_FILE, Fleet, Retrieval  # noqa: E402
 
 DOCUMENTS = {
     "lighthouse": "The lighthouse on Varrow Point was built in 1871 by Ada Quint, who painted it green and kept "

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tiny_models import write_tiny_gguf
 
-from shared.protocol import Finished, Generate, Grammar, Tokens
+from shared.protocol import Finished, Generate, Grammar, PromptLogprob, Tokens
 from shared.sampling_params import SamplingParams
 from worker.engine import Engine
 from worker.scheduler import Scheduler, SchedulerSettings
@@ -240,7 +240,7 @@ def test_a_scored_prompt_in_chunks_beside_other_streams(engine):
     [message] = [m for m in outbox.messages if isinstance(m, Tokens) and m.request_id == "scored"]
     assert message.ids == [] and message.cached_tokens == 0
     scores = message.prompt_logprobs
-    assert len(scores) == len(prompt) and scores[0] == [None, []]
+    assert len(scores) == len(prompt) and scores[0] == PromptLogprob(None, [])
     for i in range(1, len(prompt)):
         logprob, top = scores[i]
         assert logprob == pytest.approx(rows[i - 1][prompt[i]], abs=1e-3)

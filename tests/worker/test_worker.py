@@ -20,7 +20,7 @@ from conftest import REPO, run
 from gateway.worker_client import WorkerClient
 from shared.chat_template import ChatTemplate
 from shared.errors import BusyError, InvalidRequestError, WorkerUnavailableError
-from shared.protocol import PROTOCOL_VERSION, Accepted, Finished, Generate, Hello, MsgType, Tokens
+from shared.protocol import PROTOCOL_VERSION, Accepted, Finished, Generate, Heartbeat, Hello, MsgType, Tokens
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
@@ -242,18 +242,25 @@ def test_queue_overflow_gives_busy(sequential_worker):
             assert isinstance(await running.__anext__(), Accepted)
             assert isinstance(await running.__anext__(), Tokens)  # the first request is decoding
             queued = client.generate(_greedy(client, prompt, 4))
+            accepted = await queued.__anext__()  # the worker took the second into its queue, first in line
             queued_task = asyncio.create_task(_drain(queued))
-            await asyncio.sleep(0.3)  # the second is now waiting in the queue of one
+            # the worker's own count: one decoding, one waiting in the queue of one
+            deadline = time.monotonic() + 10
+            while client.worker_load != (1, 1) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            load = client.worker_load
+            assert load == (1, 1), f"the queue never filled: (waiting, running) {load}"
             with pytest.raises(BusyError) as busy:
                 await _collect(client, _greedy(client, prompt, 4))
             await running.aclose()  # abort the long one; the queued one then runs
             queued_finished = await queued_task
         finally:
             await client.close()
-        return busy.value, queued_finished
-    busy, queued_finished = run(go())
+        return accepted, busy.value, queued_finished
+    accepted, busy, queued_finished = run(go())
+    assert isinstance(accepted, Accepted) and accepted.queue_position == 0
     assert busy.status == 429
-    assert "queue" in busy.message
+    assert "queue is full (1 waiting, --queue 1)" in busy.message
     assert queued_finished.reason == "length"
 
 
@@ -518,3 +525,83 @@ def test_a_malformed_generate_is_rejected_naming_the_field(sequential_worker, bo
         assert reply(Finished).request_id == "after-it"  # done before the next case's gateway asks
     finally:
         dealer.close(0)
+
+
+def _packed(body) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+PROMPT_IDS = np.array([1, 2, 3], "<i4").tobytes()
+# GENERATEs that name their request: each answered REJECTED under that id, with the reason
+REFUSED_GENERATES = [
+    ([b"G", _packed({"request_id": "wire-1", "grammar": {"kind": "cobol", "source": ""}}), PROMPT_IDS],
+     "wire-1", "grammar.kind must be one of"),
+    ([b"G", _packed({"request_id": "wire-2", "sampling": {"temperature": "hot"}}), PROMPT_IDS],
+     "wire-2", "sampling.temperature must be a number, not a string"),
+    ([b"G", _packed({"request_id": "wire-3"})], "wire-3", "exactly one int32 frame of prompt ids"),
+    ([b"G", _packed({"request_id": "wire-4", "max_tokens": None}), PROMPT_IDS],
+     "wire-4", "max_tokens must be an integer, not nil"),
+    ([b"G", _packed({"max_tokens": 2}), PROMPT_IDS], "", "request_id is missing"),
+]
+# everything else that does not parse, of every type: dropped with a log line
+DROPPED = [
+    *[[kind, _packed([1, 2])] for kind in sorted(m.value for m in MsgType)],  # a body that is no map
+    [b"H", _packed({"version": "3", "gateway": "raw"})],
+    [b"C", _packed({"version": PROTOCOL_VERSION, "model_id": "m"})],
+    [b"A", _packed({"request_id": "wire-5", "queue_position": "first"})],
+    [b"B", _packed({"request_id": "wire-5", "retry_after": "soon"})],
+    [b"R", _packed({"request_id": "wire-5", "status": "bad"})],
+    [b"T", _packed({"request_id": "wire-5", "ids": "many"})],
+    [b"F", _packed({"request_id": "wire-5", "reason": "tired"})],
+    [b"X", _packed({"request_id": ["wire-5"]})],
+    [b"P", _packed({"sent_at": "now"})],
+    [b"Z", _packed({})],  # no such type
+    [b"G", b"\xc1"],  # no msgpack
+    [b"G"],  # no body
+]
+
+
+def test_every_malformed_message_is_refused_or_dropped_and_the_worker_serves_on(sequential_worker):
+    """One gateway sends a malformed message of every type over the real wire: a GENERATE that
+    names its request is answered REJECTED with the reason, the rest are dropped with a line in
+    the worker's log, and a good GENERATE after them all is served."""
+    from shared.protocol import ModelCard, Rejected, decode
+
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    if sequential_worker.wire is not None:  # a fixture's worker on a CURVE wire
+        wire = sequential_worker.wire
+        dealer.curve_secretkey, dealer.curve_publickey, dealer.curve_serverkey = wire.secret, wire.public, wire.server
+    dealer.connect(sequential_worker.endpoint)
+    logged_before = sequential_worker.log_path.read_text().count("dropping a malformed message")
+
+    def replies_until(kind: type) -> list:
+        seen, deadline = [], time.monotonic() + 30
+        while dealer.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            message = decode(dealer.recv_multipart())
+            seen.append(message)
+            if isinstance(message, kind):
+                return seen
+        raise AssertionError(f"no {kind.__name__} within 30 s; got {seen}")
+
+    try:
+        dealer.send_multipart(Hello(gateway="malformed-peer").frames())
+        replies_until(ModelCard)
+        for frames in DROPPED:
+            dealer.send_multipart(frames)
+        refused = []
+        for frames, request_id, words in REFUSED_GENERATES:
+            dealer.send_multipart(frames)
+            refused.append((replies_until(Rejected)[-1], request_id, words))
+        dealer.send_multipart(Generate("served-after", [1, 2, 3], SamplingParams(temperature=0.0), 2).frames())
+        served = [m for m in replies_until(Finished) if not isinstance(m, Heartbeat)]
+    finally:
+        dealer.close(0)
+    for rejected, request_id, words in refused:
+        assert (rejected.request_id, rejected.status) == (request_id, 400) and words in rejected.message, rejected
+    accepted, *streamed, finished = served
+    assert isinstance(accepted, Accepted) and all(isinstance(m, Tokens) for m in streamed), served
+    assert finished.request_id == "served-after" and finished.reason == "length"
+    assert sum(len(m.ids) for m in streamed) == finished.completion_tokens == 2
+    logged = sequential_worker.log_path.read_text().count("dropping a malformed message")
+    assert logged - logged_before == len(DROPPED)

@@ -166,6 +166,20 @@ class KVCache:
     def copy_recurrent(self) -> dict[int, list[np.ndarray]]:
         return {layer: [state.copy() for state in states] for layer, states in self.recurrent.items()}
 
+    def checkpoint(self) -> dict[int, list[np.ndarray]] | None:
+        """What a pass that fails part-way cannot undo by itself: recurrent states are moved on
+        in place, layer by layer (K/V written past ``length`` are never committed). None where
+        there is nothing to keep."""
+        return self.copy_recurrent() if self.recurrent else None
+
+    def roll_back(self, checkpoint: dict[int, list[np.ndarray]] | None) -> None:
+        """Undo a failed pass: the states of ``checkpoint``; without one, states the pass began
+        from nothing are dropped again."""
+        if checkpoint is not None:
+            self.recurrent = checkpoint
+        elif not self.rewindable:
+            self.recurrent.clear()
+
     def truncate(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens (they stay valid). Where the
         cache cannot continue from there (recurrent states, released windows), it keeps nothing."""

@@ -192,6 +192,7 @@ class ForwardPass:
     caches: list[KVCache]
     spans: list[tuple[int, int]]  # row range of each sequence in the stacked [T, D] input
     rope: list[tuple[np.ndarray, np.ndarray, bool]]  # per layer: cos, sin [T, dims/2] of every row; adjacent
+    positions: np.ndarray  # [T]: each row's position in its sequence
     layer_inputs: Any = None  # what ``layer_inputs`` gave for these rows
     # a diffusion canvas (``DiffusionGemmaModel.denoise``): its rows see each other both ways
     # and are written to no cache
@@ -427,20 +428,10 @@ class DecoderModel:
             q = ops.rms_norm(q, layer["q_norm"], self.hp.rms_eps)
         if "k_norm" in layer:
             k = ops.rms_norm(k, layer["k_norm"], self.hp.rms_eps)
-        return ops.linear(self.attend(i, q, k, v, fp), layer["wo"])
-
-    def attend(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, fp: ForwardPass) -> np.ndarray:
-        """RoPE on q/k, store k/v in each sequence's cache, attend; returns [T, H*dv]."""
         cos, sin, adjacent = fp.rope[i]
+        q, k = ops.apply_rope(q, cos, sin, adjacent), ops.apply_rope(k, cos, sin, adjacent)
         options = self.attention_options[i]
-        q = ops.apply_rope(q, cos, sin, adjacent)
-        k = ops.apply_rope(k, cos, sin, adjacent)
-        out = np.empty((q.shape[0], self.hp.n_head * self.hp.value_dim), dtype=np.float32)
-        for cache, (start, end) in zip(fp.caches, fp.spans):
-            keys, values = cache.write(i, k[start:end], v[start:end])
-            out[start:end] = ops.causal_attention(q[start:end], keys, values, cache.length, options.scale,
-                                                  options.window or None, options.softcap or None)
-        return out
+        return ops.linear(ops.attend(q, k, v, fp, i, options.scale, options.window, options.softcap), layer["wo"])
 
     def attention_half(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
         """x + attention(RMSNorm(x)) for a pre-norm block; compiled steps where the layer
@@ -480,11 +471,7 @@ class DecoderModel:
         hp, options = self.hp, self.attention_options[i]
         q, k, v = fused.attention_inputs(x, *self.fused[i].attention, *fp.rope[i],
                                          hp.n_head, hp.n_head_kv, hp.head_dim, hp.value_dim)
-        out = np.empty((x.shape[0], hp.n_head * hp.value_dim), dtype=np.float32)
-        for cache, (start, end) in zip(fp.caches, fp.spans):
-            cache.store_and_attend(i, q[start:end], k[start:end], v[start:end], options.scale,
-                                   options.window, out[start:end], options.softcap)
-        return out
+        return ops.attend(q, k, v, fp, i, options.scale, options.window, options.softcap, compiled=True)
 
     def warm_products(self) -> None:
         """Run, on one row, the compiled block steps that do not attend (a fused layer's inputs and
@@ -554,7 +541,8 @@ class DecoderModel:
             positions.append(np.arange(cache.length, cache.length + len(tokens)))
             token_ids.extend(tokens)
             row += len(tokens)
-        fp = ForwardPass([c for c, _ in steps], spans, self.layer_rope_tables(np.concatenate(positions)))
+        row_positions = np.concatenate(positions)
+        fp = ForwardPass([c for c, _ in steps], spans, self.layer_rope_tables(row_positions), row_positions)
         ids = np.asarray(token_ids, dtype=np.int64)
         x = self.embed(ids)
         fp.layer_inputs = self.layer_inputs(ids, x)

@@ -1,14 +1,17 @@
 """The shared toolkit every architecture file builds its forward pass from.
 
 Small functions on float32 arrays; the heavy ones (products with the weights, attention,
-norms, RoPE) call the compiled kernels of ``kernels/``. Shapes in comments use: T tokens, D model width,
-H query heads, K key/value heads, G = H // K query heads per KV head, d head dim, L keys.
+norms, RoPE) call the compiled kernels of ``kernels/``. ``attend`` is a layer's attention for
+every sequence of a forward pass, each over its own cache: a family's block calls it once.
+Shapes in comments use: T tokens, D model width, H query heads, K key/value heads, G = H // K
+query heads per KV head, d head dim, L keys.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,6 +19,9 @@ from worker.engine import kernels
 from worker.engine.kernels import attention, rowwise
 from worker.engine.kv_cache import kernel_view
 from worker.engine.weights import DenseWeight, MatmulInput, Weight
+
+if TYPE_CHECKING:
+    from worker.engine.model import ForwardPass
 
 _NO_WEIGHT = np.zeros(0, dtype=np.float32)
 
@@ -25,6 +31,13 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
     out = rowwise.rms_norm(rows, _NO_WEIGHT if weight is None else weight, eps, np.empty_like(rows))
     return out.reshape(x.shape)
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """tanh(x / cap) · cap: x squashed smoothly into (−cap, cap); a cap of 0 leaves x as it is."""
+    if not cap:
+        return x
+    return np.tanh(x / np.float32(cap)) * np.float32(cap)
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -92,6 +105,55 @@ def _scores_buffer(size: int) -> np.ndarray:
     return buffer[:size]
 
 
+def attend(q: np.ndarray, k: np.ndarray | None, v: np.ndarray | None, fp: ForwardPass, layer: int,
+           scale: float, window: int = 0, softcap: float = 0.0, bias: np.ndarray | None = None,
+           compiled: bool = False) -> np.ndarray:
+    """A layer's attention for every sequence of a forward pass, each over its own cache.
+
+    q [T, H, d] holds the pass's stacked rows (sequence s at rows ``fp.spans[s]``); k [T, K, d]
+    and v [T, K, dv] are their keys and values, written into each cache's ``layer`` after
+    what it holds before they are read. With k and v None the layer reads what an earlier
+    layer of the pass wrote there (a layer sharing another's KV). The scores are scaled by
+    ``scale``; ``window`` > 0 hides keys that many positions back or more; ``softcap`` > 0 takes
+    each score s to tanh(s / softcap) · softcap. Returns [T, H*dv].
+
+    - ``bias`` [T, H, E]: a learned bias per backward distance 0 … E − 1 on each row's
+      scores (``masked_attention``);
+    - ``compiled``: the store and the attention of each sequence in one compiled call (rows
+      float32, C-ordered, of head sizes the compiled kernel takes);
+    - a canvas pass (``fp.canvas``): the rows see each other both ways and the cache's keys
+      before them (the last window − 1 of them with a window); nothing is written.
+    """
+    if softcap and (bias is not None or fp.canvas):
+        raise ValueError("a soft cap is for causal attention without a bias")
+    if fp.canvas and k is None:
+        raise ValueError("a canvas attends over its own keys and values: it needs k and v")
+    value_dim = (v if v is not None else fp.caches[0].values[layer]).shape[-1]
+    out = np.empty((q.shape[0], q.shape[1] * value_dim), dtype=np.float32)
+    for cache, (start, end) in zip(fp.caches, fp.spans):
+        rows, first = slice(start, end), cache.length
+        if fp.canvas:
+            oldest = max(0, first - (window - 1)) if window else 0  # the first cached position it sees
+            keys = np.concatenate([cache.keys[layer][:, oldest:first].astype(np.float32, copy=False),
+                                   k[rows].transpose(1, 0, 2)], axis=1)
+            values = np.concatenate([cache.values[layer][:, oldest:first].astype(np.float32, copy=False),
+                                     v[rows].transpose(1, 0, 2)], axis=1)
+            out[rows] = masked_attention(q[rows], keys, values, 0, scale, causal=False)
+        elif compiled:
+            cache.store_and_attend(layer, q[rows], k[rows], v[rows], scale, window, out[rows], softcap)
+        else:
+            if k is None:
+                seen = first + end - start
+                keys, values = cache.keys[layer][:, :seen], cache.values[layer][:, :seen]
+            else:
+                keys, values = cache.write(layer, k[rows], v[rows])
+            if bias is not None:
+                out[rows] = masked_attention(q[rows], keys, values, first, scale, window, bias[rows])
+            else:
+                out[rows] = causal_attention(q[rows], keys, values, first, scale, window or None, softcap or None)
+    return out
+
+
 def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_pos: int,
                      scale: float, window: int | None = None,
                      softcap: float | None = None) -> np.ndarray:
@@ -133,6 +195,9 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_
         span = slice(t0 * group, t1 * group)
         scores = buffer[:n_kv * (t1 - t0) * group * n_keys].reshape(n_kv, (t1 - t0) * group, n_keys)
         np.matmul(rows[:, span], keys_t, out=scores)
+        if softcap is not None:  # capped before the mask: a hidden key's score stays −inf (tanh would make it −1)
+            np.tanh(scores, out=scores)
+            np.multiply(scores, np.float32(softcap), out=scores)
         query_pos = first_pos + np.arange(t0, t1)[:, None]
         # keys before the block's first query are visible to all of it unless a window hides them
         lo = 0 if window is not None else min(n_keys, first_pos + t0 + 1)
@@ -143,7 +208,7 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_
         if hidden.any():
             tail = scores.reshape(n_kv, t1 - t0, group, n_keys)[..., lo:]
             tail[np.broadcast_to(hidden[None, :, None, :], tail.shape)] = -np.inf
-        totals = _exp_in_place(scores, softcap)
+        totals = _exp_in_place(scores)
         np.matmul(scores, values, out=out[:, span])
         np.divide(out[:, span], totals, out=out[:, span])
     return out.reshape(n_kv, n_tokens, group, value_dim).transpose(1, 0, 2, 3).reshape(n_tokens, n_head * value_dim)
@@ -193,12 +258,9 @@ def masked_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_
     return out.reshape(n_tokens, n_head * value_dim)
 
 
-def _exp_in_place(scores: np.ndarray, softcap: float | None) -> np.ndarray:
-    """Scaled scores -> the softmax's numerators, in place (after the softcap, if any); returns
-    their sums over the keys, by which the caller divides the attention output."""
-    if softcap is not None:
-        np.tanh(scores, out=scores)
-        np.multiply(scores, np.float32(softcap), out=scores)
+def _exp_in_place(scores: np.ndarray) -> np.ndarray:
+    """Scaled (and capped) scores -> the softmax's numerators, in place; returns their sums over
+    the keys, by which the caller divides the attention output."""
     np.subtract(scores, scores.max(axis=-1, keepdims=True), out=scores)
     np.exp(scores, out=scores)
     return scores.sum(axis=-1, keepdims=True)

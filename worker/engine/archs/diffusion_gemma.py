@@ -91,22 +91,6 @@ class DiffusionGemmaModel(Gemma4Model):
     def output_scale(self, layer: dict[str, Any], fp: ForwardPass) -> np.ndarray | None:
         return layer.get("output_scale" if fp.canvas else "enc_output_scale")
 
-    def self_attention(self, i: int, h: np.ndarray, fp: ForwardPass) -> np.ndarray:
-        if not fp.canvas:
-            return super().self_attention(i, h, fp)
-        shape, hp = self.hp.layer(i), self.hp
-        q, k, v = self.project(i, h, fp)
-        out = np.empty((h.shape[0], hp.n_head * shape.head_dim), dtype=np.float32)
-        for cache, (start, end) in zip(fp.caches, fp.spans):
-            first = max(0, cache.length - (self.sliding_window - 1)) if shape.local else 0
-            keys = np.concatenate([cache.keys[i][:, first:cache.length].astype(np.float32, copy=False),
-                                   k[start:end].transpose(1, 0, 2)], axis=1)
-            values = np.concatenate([cache.values[i][:, first:cache.length].astype(np.float32, copy=False),
-                                     v[start:end].transpose(1, 0, 2)], axis=1)
-            out[start:end] = ops.masked_attention(q[start:end], keys, values, 0, self.attention_options[i].scale,
-                                                  causal=False)
-        return ops.linear(out, self.layers[i]["wo"])
-
     # --- the decoder's pass ----------------------------------------------------------------------
 
     def denoise(self, canvases: list[tuple[KVCache, list[int], np.ndarray | None]]) -> list[np.ndarray]:
@@ -122,7 +106,8 @@ class DiffusionGemmaModel(Gemma4Model):
             signals.append(np.zeros((len(canvas), self.hp.n_embd), np.float32) if probs is None
                            else self.soft_embedding(probs))
             row += len(canvas)
-        fp = ForwardPass([c for c, _, _ in canvases], spans, self.layer_rope_tables(np.concatenate(positions)),
+        row_positions = np.concatenate(positions)
+        fp = ForwardPass([c for c, _, _ in canvases], spans, self.layer_rope_tables(row_positions), row_positions,
                          canvas=True)
         x = self.embed(np.asarray(ids, dtype=np.int64)) + self.self_conditioning(np.concatenate(signals))
         x = ops.rms_norm(x, None, self.hp.rms_eps)

@@ -69,7 +69,4 @@ class Gemma3Model(DecoderModel):
         return x + ops.rms_norm(ffn, layer["post_ffw_norm"], eps)
 
     def logits(self, x: np.ndarray) -> np.ndarray:
-        logits = super().logits(x)
-        if self.softcap:
-            logits = np.tanh(logits / np.float32(self.softcap)) * np.float32(self.softcap)
-        return logits
+        return ops.softcap(super().logits(x), self.softcap)

@@ -206,22 +206,11 @@ class Gemma4Model(DecoderModel):
         return q, k, v
 
     def self_attention(self, i: int, h: np.ndarray, fp: ForwardPass) -> np.ndarray:
-        layer, shape, hp = self.layers[i], self.hp.layer(i), self.hp
+        shape, options = self.hp.layer(i), self.attention_options[i]
         q, k, v = self.project(i, h, fp)
-        options = self.attention_options[i]
-        out = np.empty((h.shape[0], hp.n_head * shape.head_dim), dtype=np.float32)
-        if shape.kv_from is None:
-            for cache, (start, end) in zip(fp.caches, fp.spans):
-                keys, values = cache.write(i, k[start:end], v[start:end])
-                out[start:end] = ops.causal_attention(q[start:end], keys, values, cache.length, options.scale,
-                                                      options.window or None)
-        else:  # this step's KV of the source layer is already written
-            for cache, (start, end) in zip(fp.caches, fp.spans):
-                seen = cache.length + end - start
-                out[start:end] = ops.causal_attention(q[start:end], cache.keys[shape.kv_from][:, :seen],
-                                                      cache.values[shape.kv_from][:, :seen], cache.length,
-                                                      options.scale, options.window or None)
-        return ops.linear(out, layer["wo"])
+        # a layer sharing KV reads what its source layer wrote earlier in this pass
+        kv_layer = i if shape.kv_from is None else shape.kv_from
+        return ops.linear(ops.attend(q, k, v, fp, kv_layer, options.scale, options.window), self.layers[i]["wo"])
 
     def experts(self, layer: dict[str, Any], h: np.ndarray, x: np.ndarray) -> np.ndarray:
         """The routed mixture of a MoE layer on normed input x, routed from the residual h."""
@@ -265,7 +254,4 @@ class Gemma4Model(DecoderModel):
         return layer.get("output_scale")
 
     def logits(self, x: np.ndarray) -> np.ndarray:
-        logits = super().logits(x)
-        if self.softcap:
-            logits = np.tanh(logits / np.float32(self.softcap)) * np.float32(self.softcap)
-        return logits
+        return ops.softcap(super().logits(x), self.softcap)

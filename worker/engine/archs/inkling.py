@@ -218,19 +218,12 @@ class InklingModel(DecoderModel):
         v = self.sconv(i, SCONV_V, ops.linear(inp, layer["wv"]), fp).reshape(n, shape.n_head_kv, hd)
         r = ops.linear(inp, layer["wr"]).reshape(n, hp.n_head, family.d_rel)
         rel = np.ascontiguousarray(np.einsum("thr,re->the", r, layer["rel_proj"]), dtype=np.float32)  # [T, H, E]
+        if not shape.local and family.log_n_floor:  # τ(position) scales the queries and the bias
+            tau = 1.0 + family.log_alpha * np.log(np.maximum((fp.positions + 1) / family.log_n_floor, 1.0))
+            tau = tau.astype(np.float32)[:, None, None]
+            q, rel = q * tau, rel * tau
         window = self.sliding_window if shape.local else 0
-        out = np.empty((n, hp.n_head * hd), dtype=np.float32)
-        for cache, (start, end) in zip(fp.caches, fp.spans):
-            first = cache.length
-            positions = np.arange(first, first + end - start)
-            q_s, rel_s = q[start:end], rel[start:end]
-            if not shape.local and family.log_n_floor:
-                tau = 1.0 + family.log_alpha * np.log(np.maximum((positions + 1) / family.log_n_floor, 1.0))
-                tau = tau.astype(np.float32)[:, None, None]
-                q_s, rel_s = q_s * tau, rel_s * tau
-            keys, values = cache.write(i, k[start:end], v[start:end])
-            out[start:end] = ops.masked_attention(q_s, keys, values, first, 1.0 / hd, window, rel_s)
-        return ops.linear(out, layer["wo"])
+        return ops.linear(ops.attend(q, k, v, fp, i, 1.0 / hd, window, bias=rel), layer["wo"])
 
     def dense_ffn(self, i: int, h: np.ndarray) -> np.ndarray:
         layer = self.layers[i]

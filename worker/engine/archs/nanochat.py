@@ -127,12 +127,7 @@ class NanochatModel(DecoderModel):
         q = ops.rms_norm(ops.apply_rope(q, cos, sin), None, eps)
         k = ops.rms_norm(ops.apply_rope(k, cos, sin), None, eps)
         options = self.attention_options[i]
-        out = np.empty((n, hp.n_head * hp.head_dim), dtype=np.float32)
-        for cache, (start, end) in zip(fp.caches, fp.spans):
-            keys, values = cache.write(i, k[start:end], v[start:end])
-            out[start:end] = ops.causal_attention(q[start:end], keys, values, cache.length, options.scale,
-                                                  options.window or None)
-        x = x + ops.linear(out, layer["wo"])
+        x = x + ops.linear(ops.attend(q, k, v, fp, i, options.scale, options.window), layer["wo"])
         up = np.maximum(ops.linear(ops.rms_norm(x, None, eps), layer["up"]), 0.0)
         x = x + ops.linear(up * up, layer["down"])
         if hasattr(self, "backout_lambda"):
@@ -145,4 +140,4 @@ class NanochatModel(DecoderModel):
     def logits(self, x: np.ndarray) -> np.ndarray:
         x = ops.rms_norm(x, None, self.hp.rms_eps)
         logits = ops.linear(x, self.output)[:, :self.hp.n_vocab]
-        return np.ascontiguousarray(np.tanh(logits / np.float32(self.softcap)) * np.float32(self.softcap))
+        return np.ascontiguousarray(ops.softcap(logits, self.softcap))

@@ -140,11 +140,7 @@ class Qwen35Model(DecoderModel):
         v = ops.linear(inp, layer["wv"]).reshape(n, hp.n_head_kv, hd)
         cos, sin, adjacent = fp.rope[i]
         q, k = ops.apply_rope(q, cos, sin, adjacent), ops.apply_rope(k, cos, sin, adjacent)
-        out = np.empty((n, hp.n_head * hd), dtype=np.float32)
-        scale = self.attention_options[i].scale
-        for cache, (start, end) in zip(fp.caches, fp.spans):
-            keys, values = cache.write(self.kv_index[i], k[start:end], v[start:end])
-            out[start:end] = ops.causal_attention(q[start:end], keys, values, cache.length, scale)
+        out = ops.attend(q, k, v, fp, self.kv_index[i], self.attention_options[i].scale)
         return ops.linear(out * ops.sigmoid(gate), layer["wo"])
 
     def gated_delta_net(self, i: int, h: np.ndarray, fp: ForwardPass) -> np.ndarray:

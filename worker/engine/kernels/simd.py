@@ -445,15 +445,6 @@ def sum_f32(typingctx, a):
     return types.float32(F32x8), codegen
 
 
-@intrinsic
-def lane_f32(typingctx, a, lane):
-    """Lane ``lane`` of ``a`` in all 8 lanes (one shuffle where ``lane`` is a constant)."""
-    def codegen(context, builder, sig, args):
-        index = builder.trunc(args[1], ir.IntType(32)) if args[1].type.width > 32 else args[1]
-        return _broadcast(builder, builder.extract_element(args[0], index), F32x8.llvm_type())
-    return F32x8(F32x8, lane), codegen
-
-
 def _lanewise(build):
     """An intrinsic applying ``build(builder, a, b)`` to two F32x8, lane by lane."""
     @intrinsic

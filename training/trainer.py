@@ -4,7 +4,7 @@ The served model is mirrored in torch (``TorchDecoder``: the plain pre-norm bloc
 and qwen3 families, read from the engine's own weights), and a KV prefix of P positions per
 layer is the only thing that learns. It starts as the KV of the document's first P tokens (the
 first position stays frozen: it is where attention rests when it has nowhere better to go), and
-is trained by distillation: on self-study conversations (``worker/selfstudy.py``) with the
+is trained by distillation: on self-study conversations (``training/selfstudy.py``) with the
 document absent, the model behind the prefix is pulled toward the teacher's top-k distribution,
 which was read with the document's chunk in context. The keys live after RoPE at positions
 0..P−1, exactly as the worker's caches hold them, so the trained prefix is served as it is.
@@ -32,14 +32,14 @@ except ImportError as exc:  # serving never needs torch; training does
 
 from shared.errors import ModelLoadError
 from shared.load_progress import ProgressBar
-from worker.cartridge import from_document, model_identity, write_arrays
+from worker.cartridges.cartridge import from_document, model_identity, write_arrays
 from worker.engine import Engine
 from worker.engine.model import DecoderModel
-from worker.selfstudy import Sample, SelfStudy, chunks
+from training.selfstudy import Sample, SelfStudy, chunks
 
 CHECKPOINT_FORMAT = "lmserve-cartridge-train-1"
 # the forward steps a trainable family must share with the base class, unchanged
-_PLAIN_STEPS = ("block", "dense_block", "attention_half", "self_attention", "project_qkv", "attend", "ffn_half",
+_PLAIN_STEPS = ("block", "dense_block", "attention_half", "self_attention", "project_qkv", "ffn_half",
                 "embed", "logits", "layer_inputs")
 
 
@@ -296,12 +296,6 @@ class Trainer:
                 self.save()
         bar.finish()
         return self.losses
-
-    def evaluate(self, samples: list[Sample] | None = None) -> float:
-        """Mean distillation loss over samples (all of them by default), no gradients."""
-        with torch.no_grad():
-            chosen = samples if samples is not None else self.samples
-            return float(np.mean([float(self.loss(x)) for x in chosen]))
 
     def write(self, out: Path, source: str) -> None:
         keys, values = self.prefix.arrays()

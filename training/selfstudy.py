@@ -9,7 +9,7 @@ message as the user turn (templated as the server templates it) and the answer, 
 teacher's distributions as targets on the answer's tokens. A cartridge trained on these learns
 to stand in for the chunks it never sees at serving time.
 
-Only numpy and the engine run here; the optimisation is in ``worker/cartridge_train.py``.
+Only numpy and the engine run here; the optimisation is in ``training/trainer.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Inkling's replies: a run of blocks, read into reasoning, text and calls; the grammar that
+"""Inkling: a reply is a run of blocks, read into reasoning, text and calls; the grammar that
 forces a call; and how a request's reasoning becomes the template's effort.
 
 An Inkling model answers in blocks. The first follows the prompt's ``<|message_model|>``, each
@@ -11,7 +11,8 @@ text and ``<|end_message|>``; ``<|content_model_end_sampling|>`` (EOS) ends the 
 
 The markers are control tokens, which the gateway's detokenizer drops from any other model's
 reply; for this convention it keeps them (``marker_ids``), and ``InklingBlocks``, the reasoning
-splitter of such a model, takes every one of them out again.
+splitter of such a model, takes every one of them out again. The template thinks on request by
+``reasoning_effort`` and declares tools with ``tool_declare``.
 
 Decisions a client may notice:
 
@@ -19,8 +20,8 @@ Decisions a client may notice:
   they arrive, holding back only what may be the start of a marker. No marker and no author
   name is ever shown. Two blocks of the same kind in a row are joined by a blank line.
 - A call block is handed on whole, when it closes, to the tool-call parser
-  (``gateway/tool_calls.py``, tags ``<|content_invoke_tool_json|>`` and ``<|end_message|>``),
-  which announces it: JSON with a ``name`` and an object of ``args`` (``tool_calls.parse_call``). A malformed call, or one
+  (``shared/conventions/calls.py``, tags ``<|content_invoke_tool_json|>`` and ``<|end_message|>``),
+  which announces it: JSON with a ``name`` and an object of ``args`` (``SYNTAX``). A malformed call, or one
   cut off when the reply ends (max_tokens), comes back as the text of its body; on a request
   without tools a call block is text too.
 - A marker ends its block wherever it falls, inside a JSON string too: it is a control token,
@@ -39,13 +40,17 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
-from gateway.neutral import ReasoningDelta, TextDelta
-from gateway.stop_strings import partial_suffix
+from shared.conventions.base import Convention, Functions
+from shared.conventions.calls import CallSyntax, parse_json_call
+from shared.conventions.events import ReasoningDelta, TextDelta
+from shared.conventions.reasoning import Splitter, partial_suffix
+from shared.errors import InvalidRequestError
+from shared.protocol import Tags
 from shared.tokenizer import Tokenizer
 
-INKLING = "inkling"  # the convention's name (Capabilities.tool_call_format)
 MESSAGE_MODEL = "<|message_model|>"
 END = "<|end_message|>"
 THINKING = "<|content_thinking|>"
@@ -188,7 +193,7 @@ def _call_schema(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
             "x-guidance": {"whitespace_flexible": False}}
 
 
-def lark(tokenizer: Tokenizer, functions: list[tuple[str, dict[str, Any]]], parallel: bool,
+def lark(tokenizer: Tokenizer, functions: Functions, parallel: bool,
          optional: bool = False, thinking: bool = False) -> str | None:
     """A Lark grammar (llguidance) of call blocks of these (name, arguments schema) tools, the
     markers named by their token ids; None when the vocabulary lacks one of them.
@@ -218,3 +223,44 @@ def lark(tokenizer: Tokenizer, functions: list[tuple[str, dict[str, Any]]], para
         lines += [f"thought: {token[THINKING]} THOUGHT {token[END]} {token[MESSAGE_MODEL]}", "THOUGHT: /(.|\\n)*/"]
     start = f"start: {'thought? ' if thinking else ''}{first}"
     return "\n".join([start, *lines]) + "\n"
+
+
+# the block reader ends a call block at its marker, strings or not; the markers are never shown
+SYNTAX = CallSyntax(None, None, False, lambda raw: parse_json_call(raw, "args"), tags_are_text=False)
+
+
+class Inkling(Convention):
+    name = "inkling"
+    reasoning = Tags(THINKING, END)
+    calls = Tags(CALL, END)
+    reasoning_tokens = (MESSAGE_MODEL, THINKING, END)
+    call_tokens = (MESSAGE_MODEL, CALL, END)
+    reasoning_switch = "reasoning_effort"
+    declares_tools = ("tools", "tool_declare")
+    keeps_markers = True
+    prefill_opens = TEXT  # a prefill continues a text block
+    grammar_holds_reasoning = True  # the end of a thinking block is the end of any block
+
+    def template_switch(self, reasoning: bool, effort: str | None) -> dict[str, Any]:
+        level = template_effort(reasoning, effort)
+        return {self.reasoning_switch: level} if level is not None else {}
+
+    def kept_ids(self, tokenizer: Tokenizer) -> frozenset[int]:
+        return marker_ids(tokenizer)
+
+    def splitter(self, *, starts_inside: Callable[[], bool], model_calls: bool, reads_calls: bool,
+                 prefilled: bool) -> Splitter:
+        return InklingBlocks(calls=reads_calls, in_text=prefilled)
+
+    def call_syntax(self, tools: list[dict[str, Any]], forced: list[dict[str, Any]] | None) -> CallSyntax:
+        return SYNTAX
+
+    def calls_lark(self, tokenizer: Tokenizer, functions: Functions, parallel: bool, optional: bool = False,
+                   thinking: bool = False) -> str:
+        grammar = lark(tokenizer, functions, parallel, optional, thinking=thinking)
+        if grammar is None:
+            raise InvalidRequestError("this model's vocabulary lacks its block tokens; tool_choice cannot force a call")
+        return grammar
+
+
+INKLING = Inkling()

@@ -18,7 +18,6 @@ by the fleet's cartridges, so a worker given the cartridges alone reads it from 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -31,13 +30,12 @@ import numpy as np
 
 from shared.errors import ModelLoadError
 from worker import metrics
-from worker.cartridge import Cartridge, model_identity
+from worker.cartridges.cartridge import Cartridge, model_identity
 from worker.engine import Engine
-from worker.engine.checkpoint import SafetensorsFile, floats, write_safetensors
+from worker.engine.checkpoint import SafetensorsFile, floats
 
 INDEX_FORMAT = "lmserve-fleet-1"
 INDEX_FILE = "index.safetensors"
-DOCUMENT_SUFFIXES = (".txt", ".md")
 MAX_LOCAL_CHOICES = 4096  # conversations whose choice is kept in memory when there is no kvstore
 
 
@@ -50,34 +48,6 @@ def embed(engine: Engine, ids: list[int], window: int = 512) -> np.ndarray:
 
 def unit(vectors: np.ndarray) -> np.ndarray:
     return vectors / np.maximum(np.linalg.norm(vectors, axis=-1, keepdims=True), 1e-12)
-
-
-def documents_in(folder: Path) -> list[Path]:
-    found = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in DOCUMENT_SUFFIXES)
-    if not found:
-        raise ModelLoadError(f"{folder} holds no documents ({', '.join('*' + s for s in DOCUMENT_SUFFIXES)})")
-    return found
-
-
-def build_index(engine: Engine, documents: dict[str, str], out: Path, chunk_tokens: int) -> int:
-    """Write the fleet's index of ``documents`` (name → text); the number of chunks."""
-    vectors, owners = [], []
-    for d, (name, text) in enumerate(documents.items()):
-        ids = engine.tokenizer.encode(text, add_special=False, parse_special=False)
-        if not ids:
-            raise ModelLoadError(f"document {name} has no tokens")
-        for start in range(0, len(ids), chunk_tokens):
-            vectors.append(embed(engine, ids[start:start + chunk_tokens]))
-            owners.append(d)
-    matrix = np.stack(vectors).astype(np.float32)
-    mean = matrix.mean(axis=0)
-    matrix = unit(matrix - mean).astype(np.float32)
-    tensors = {"embeddings": ("F32", matrix.shape, matrix.tobytes()),
-               "mean": ("F32", mean.shape, mean.astype(np.float32).tobytes())}
-    write_safetensors(out / INDEX_FILE, tensors, {
-        "format": INDEX_FORMAT, "model": json.dumps(model_identity(engine)), "documents": json.dumps(list(documents)),
-        "chunk_documents": json.dumps(owners), "chunk_tokens": str(chunk_tokens)})
-    return len(owners)
 
 
 def index_key(cartridges) -> str:
@@ -272,38 +242,3 @@ class Fleet:
             self.local.move_to_end(conversation)
             while len(self.local) > MAX_LOCAL_CHOICES:
                 self.local.popitem(last=False)
-
-
-def fleet_command(parser: argparse.ArgumentParser, args: argparse.Namespace, model: str) -> int:
-    """``lmserve cartridge fleet``: a cartridge per document, then the index."""
-    from worker.cartridge import train_settings
-
-    folder = Path(args.docs_dir)
-    if not folder.is_dir():
-        parser.error(f"no such directory: {folder}")
-    try:
-        from worker.cartridge_train import Trainer
-    except ImportError as exc:
-        parser.error(str(exc))
-    settings = train_settings(parser, args)
-    try:
-        paths = documents_in(folder)
-    except ModelLoadError as exc:
-        parser.error(exc.message)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    engine = Engine.load(model, kv_type="f32")
-    documents = {p.stem: p.read_text(encoding="utf-8") for p in paths}
-    for i, (name, text) in enumerate(documents.items()):
-        target = out / f"{name}.safetensors"
-        if target.is_file() and not args.fresh:
-            print(f"[{i + 1}/{len(documents)}] {name}: kept {target}")
-            continue
-        print(f"[{i + 1}/{len(documents)}] {name}")
-        trainer = Trainer(engine, text, settings, out / f"{name}.safetensors.ckpt", fresh=args.fresh)
-        trainer.write_samples()
-        trainer.train()
-        trainer.write(target, f"self-study on {name}")
-    chunks = build_index(engine, documents, out, args.index_chunk_tokens)
-    print(f"{out}: {len(documents)} cartridges of {engine.model_id}, an index of {chunks} chunks")
-    return 0

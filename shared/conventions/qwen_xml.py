@@ -1,5 +1,6 @@
-"""Qwen3.5's tool-call syntax (Qwen3-Coder's too): reading a call's body, and the grammar that
-forces one.
+"""qwen_xml (Qwen3.5, Qwen3-Coder): Hermes's tags, but a call block holds the call as tags, and a
+call that opens ends the reasoning, closed or not. The template says which (it writes
+``<function=`` and ``<parameter=``).
 
 Between ``<tool_call>`` and ``</tool_call>`` such a model writes the call as tags, one parameter
 per block, each value on lines of its own::
@@ -27,7 +28,15 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
+
+from shared.chat_template import ChatTemplate
+from shared.conventions.base import LEAD, Functions
+from shared.conventions.calls import CallSyntax
+from shared.conventions.hermes import Hermes
+from shared.conventions.reasoning import ReasoningSplitter, Splitter
+from shared.tokenizer import Tokenizer
 
 FUNCTION = re.compile(r"<function=([^>\n]+)>(.*)</function>", re.S)
 PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
@@ -36,8 +45,8 @@ PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 STRING_AND_CLOSE = r"/([^<]|<[^\/])*\n<\/parameter>\n/"
 NL = "\n"
 CLOSE = json.dumps("\n</parameter>\n")
-
-LEAD = '"\\n"? "\\n"? '  # the layout a model may write after its reasoning, before a call
+# a template that writes calls as tags holds these
+TEMPLATE_MARKS = ("<function=", "<parameter=")
 
 
 def properties(schema: Any) -> dict[str, Any]:
@@ -130,3 +139,28 @@ def lark(functions: list[tuple[str, dict[str, Any]]], open_tag: str, close_tag: 
         return "\n".join([start, "TEXT: /(.|\\n)*/", call, *rules]) + "\n"
     more = ' ("\\n" tc)*' if parallel else ""
     return "\n".join([f"start: {LEAD if lead else ''}tc{more}", call, *rules]) + "\n"
+
+
+class QwenXml(Hermes):
+    name = "qwen_xml"
+
+    def detects(self, tokenizer: Tokenizer, template: ChatTemplate | None) -> bool:
+        return template is not None and all(mark in template.source for mark in TEMPLATE_MARKS)
+
+    def splitter(self, *, starts_inside: Callable[[], bool], model_calls: bool, reads_calls: bool,
+                 prefilled: bool) -> Splitter:
+        # a call's opening tag ends the reasoning too (it stays in the text, for the calls' parser)
+        return ReasoningSplitter(self.reasoning, inside=starts_inside(),
+                                 call_opens=self.calls.open if model_calls else None)
+
+    def call_syntax(self, tools: list[dict[str, Any]], forced: list[dict[str, Any]] | None) -> CallSyntax:
+        # a value is read by its tool's schema (a string stays text)
+        schemas = {tool["function"]["name"]: tool["function"].get("parameters") for tool in tools}
+        return CallSyntax(None, None, False, lambda raw: parse_call(raw, schemas))
+
+    def calls_lark(self, tokenizer: Tokenizer, functions: Functions, parallel: bool, optional: bool = False,
+                   thinking: bool = False) -> str:
+        return lark(functions, self.calls.open, self.calls.close, parallel, optional, lead=thinking)
+
+
+QWEN_XML = QwenXml()

@@ -1,4 +1,5 @@
-"""Gemma 4's tool-call syntax: reading a call's body, and the grammar that forces one.
+"""Gemma 4: reasoning in a thought channel, ``<|channel>thought`` … ``<channel|>``, and each call a
+block ``<|tool_call>call:NAME{key:value,…}<tool_call|>``.
 
 Between its call tags a Gemma 4 model writes ``call:NAME{key:value,…}``: keys bare, strings
 between ``<|"|>`` quotes (a token of its own, with no escapes inside), numbers, ``true``,
@@ -17,11 +18,19 @@ import json
 import re
 from typing import Any
 
+from shared.conventions.base import LEAD, Convention, Functions
+from shared.conventions.calls import CallSyntax
+from shared.errors import InvalidRequestError
+from shared.protocol import Tags
+from shared.tokenizer import Tokenizer
+
+CHANNEL = "<|channel>"  # a token, which the thought channel's opening tag starts with
+THOUGHT = Tags(CHANNEL + "thought", "<channel|>")
+CALLS = Tags("<|tool_call>", "<tool_call|>")
 QUOTE = '<|"|>'
 CALL_PREFIX = "call:"
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _WHITESPACE = " \t\n"
-LEAD = '"\\n"? "\\n"? '  # the layout a model may write after its reasoning, before a call
 
 
 class _Malformed(Exception):
@@ -243,6 +252,7 @@ class _Rules:
                 rest = self.new(f'("," {pair})? {rest}')
         return self.new(f'"{{" {first} "}}"')
 
+
 def lark(tools: list[tuple[str, dict[str, Any]]], open_id: int, close_id: int, quote_id: int,
          parallel: bool, optional: bool = False, lead: bool = False) -> str:
     """Calls of these tools, (name, arguments schema) each, between the call tag tokens.
@@ -274,3 +284,28 @@ def lark(tools: list[tuple[str, dict[str, Any]]], open_id: int, close_id: int, q
         "G4_INT: /-?(0|[1-9][0-9]*)/",
         "G4_NUMBER: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/",
     ]) + "\n"
+
+
+# strings between quote tokens, which may hold line breaks; no escapes
+SYNTAX = CallSyntax(QUOTE, None, False, parse_call)
+
+
+class Gemma4(Convention):
+    name = "gemma4"
+    reasoning = THOUGHT
+    calls = CALLS
+    reasoning_tokens = (CHANNEL, THOUGHT.close)
+    call_tokens = (CALLS.open, CALLS.close, QUOTE)
+
+    def call_syntax(self, tools: list[dict[str, Any]], forced: list[dict[str, Any]] | None) -> CallSyntax:
+        return SYNTAX
+
+    def calls_lark(self, tokenizer: Tokenizer, functions: Functions, parallel: bool, optional: bool = False,
+                   thinking: bool = False) -> str:
+        ids = [tokenizer.piece_to_id(text) for text in (self.calls.open, self.calls.close, QUOTE)]
+        if None in ids:
+            raise InvalidRequestError("this model's vocabulary lacks its call tokens; tool_choice cannot force a call")
+        return lark(functions, *ids, parallel=parallel, optional=optional, lead=thinking)
+
+
+GEMMA4 = Gemma4()

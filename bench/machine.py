@@ -1,0 +1,49 @@
+"""Facts of the machine a run is measured on, and waiting until the rest of it is nearly idle."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.faults import cpu_flags
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_has_amx_int8() -> bool:
+    return "amx_int8" in cpu_flags()
+
+
+def machine_facts() -> dict[str, Any]:
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+            "cpu_flags": sorted(cpu_flags())}
+
+
+def wait_for_quiet(threshold: float, max_wait: float, probe: float = 5.0) -> float:
+    """Wait until the machine's other processes use at most ``threshold`` cores (or max_wait
+    seconds pass); return the last reading. Run between servers, so nothing of ours is busy."""
+    import psutil
+    waited = 0.0
+    while True:
+        busy = psutil.cpu_percent(interval=probe) / 100.0 * (os.cpu_count() or 1)
+        if busy <= threshold or waited >= max_wait:
+            if busy > threshold:
+                print(f"bench.serve:   the machine is still busy ({busy:.2f} cores used by others) after "
+                      f"{waited:.0f} s; measuring anyway", flush=True)
+            return busy
+        if waited == 0:
+            print(f"bench.serve:   other processes use {busy:.2f} cores; waiting up to {max_wait:.0f} s for "
+                  "a quieter machine", flush=True)
+        time.sleep(10)
+        waited += 10 + probe

@@ -1,0 +1,1 @@
+"""Offline work on cartridges: self-study, training and fleet indexes (``lmserve cartridge``)."""

@@ -1,0 +1,70 @@
+"""Weight passes that fail one stream, not the batch: a pass runs for every stream together; if
+it fails, each stream runs alone, so only the stream at fault ends (``fail`` ends it)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import numpy as np
+
+from worker.engine.model import DecoderModel
+from worker.scoring import score_rows
+from worker.stream import Stream
+
+log = logging.getLogger("lmserve.worker")
+
+Item = TypeVar("Item")
+Fail = Callable[[Stream], None]  # ends a stream whose pass failed
+
+
+def together_else_alone(items: Sequence[Item], stream_of: Callable[[Item], Stream],
+                        run: Callable[[Sequence[Item]], list[np.ndarray]], fail: Fail,
+                        before_alone: Callable[[], None] = lambda: None) -> list[np.ndarray | None]:
+    """``run`` over all items; if that fails, ``before_alone`` undoes what it moved on, and each
+    item runs alone (None where it fails too). A single item is not run twice."""
+    try:
+        return run(items)
+    except Exception:
+        if len(items) == 1:
+            log.exception("the pass failed for %s", stream_of(items[0]).request.request_id)
+            fail(stream_of(items[0]))
+            return [None]
+        log.exception("a pass of %d streams failed; running each alone", len(items))
+    before_alone()
+    results: list[np.ndarray | None] = []
+    for item in items:
+        try:
+            results.append(run([item])[0])
+        except Exception:
+            log.exception("the pass failed for %s", stream_of(item).request.request_id)
+            fail(stream_of(item))
+            results.append(None)
+    return results
+
+
+def forward(model: DecoderModel, batch: list[tuple[Stream, list[int]]], fail: Fail) -> list[np.ndarray | None]:
+    """One weight pass for the batch, each stream's tokens appended to its cache; the last
+    row's logits per stream. Retried stream by stream from the caches' checkpoints."""
+    checkpoints = [s.slot.cache.checkpoint() for s, _ in batch] if len(batch) > 1 else []
+
+    def roll_back() -> None:
+        for (stream, _), checkpoint in zip(batch, checkpoints):
+            stream.slot.cache.roll_back(checkpoint)
+
+    return together_else_alone(batch, lambda item: item[0],
+                               lambda items: model.forward([(s.slot.cache, toks) for s, toks in items]), fail, roll_back)
+
+
+def score(model: DecoderModel, stream: Stream, tokens: list[int], fail: Fail) -> np.ndarray | None:
+    """A prompt chunk's pass with the logits of every row: each row scores the prompt token
+    after it (into ``stream.scores``). The last row's logits, which go on to the first
+    generated token."""
+    rows = together_else_alone([tokens], lambda _: stream,
+                               lambda items: model.forward([(stream.slot.cache, items[0])], all_logits=True), fail)[0]
+    if rows is None:
+        return None
+    start = len(stream.request.prompt) - len(stream.pending)  # the chunk's first position in the prompt
+    stream.scores.extend(score_rows(rows, stream.request.prompt, start, stream.request.prompt_logprobs))
+    return rows[-1]
