@@ -13,7 +13,15 @@ from typing import Any
 
 from bench.memory import MemorySampler
 from bench.streams import run_batch, served_model, serves_messages
-from bench.workload import Workload, prose, short_prompts
+from bench.workload import (
+    EditPlan,
+    EditSource,
+    Workload,
+    copied_share,
+    edit_messages,
+    prose,
+    short_prompts,
+)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -173,3 +181,32 @@ async def run_server_repeat(base_url: str, work: Workload, repeat: int, sampler:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000.0
+
+
+async def run_speculation_repeat(base_url: str, work: Workload, plan: EditPlan, source: EditSource,
+                                 repeat: int) -> RepeatFigures:
+    """The edit reply and the free-prose reply once, one stream at a time: decode tokens/s,
+    what speculation drafted and what stood, and how much of the edit reply is the file copied."""
+    import httpx
+    figs = RepeatFigures()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0)) as client:
+        model = await served_model(client, base_url)
+        # warm-up, with text to draft from: the first pass of every width is not part of a figure
+        echo = "one two three four five six seven eight " * 4
+        for content in ("Hello", f"Repeat this: {echo}"):
+            await run_batch(client, base_url, work.path, [work.chat(model, [{"role": "user", "content": content}], 24)])
+        replies = (("edit", edit_messages(source), plan.edit_tokens),
+                   ("prose", [{"role": "user", "content": short_prompts(repeat + 1)[repeat]}], plan.prose_tokens))
+        for key, messages, n in replies:
+            (r,), _ = await run_batch(client, base_url, work.path, [work.chat(model, messages, n)])
+            figs.values[f"{key}|decode"] = r.decode_rate(n)
+            figs.values[f"{key}|acceptance"] = r.acceptance
+            figs.checks[f"{key} exact length"] = r.output_tokens(n) == n and r.finish_reason == "length"
+            figs.checks[f"{key} speculation"] = ({"drafted": r.drafted, "accepted": r.accepted}
+                                                 if r.drafted is not None else "not reported")
+            if key == "edit":
+                figs.checks["edit prompt tokens"] = r.prompt_tokens
+                share = copied_share(source.text, r.text)
+                figs.checks["edit lines copied from the file"] = None if share is None else round(share, 2)
+                figs.checks["edit reply head"] = r.text[:160]
+    return figs

@@ -15,8 +15,8 @@ from typing import Any
 from bench.chart import write_chart
 from bench.measure import RepeatFigures
 from bench.peer import PEER_PACKAGE, PEER_REFERENCES, peer_kernel_line, peer_sanity_line
-from bench.servers import LMSERVE, PEER, SERVERS
-from bench.workload import Plan
+from bench.servers import LMSERVE, PEER, PEER_OFF, PEER_ON, SERVERS, SPEC_OFF, SPEC_ON
+from bench.workload import EditPlan, Plan
 
 LOWER, HIGHER = "lower", "higher"
 
@@ -310,9 +310,102 @@ def write_results(out: Path, plan: Plan, per_server: dict[str, list[RepeatFigure
         meta["peer_single_stream_decode"] = {"median": peer_single.median,
                                              "references": {k: list(v) for k, v in PEER_REFERENCES.items()}}
     servers = [s for s in SERVERS if s in per_server]
-    document = results_json(rows, meta, servers)
+    return write_document(out, results_json(rows, meta, servers))
+
+
+def write_document(out: Path, document: dict[str, Any]) -> dict[str, Any]:
+    """Replace the file at once: a reader never sees half of it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".tmp")
     partial.write_text(json.dumps(document, indent=1) + "\n")
     os.replace(partial, out)
     return document
+
+
+SPECULATION_ROWS: tuple[tuple[str, str, str, str], ...] = (
+    ("edit|decode", "decode", "tok/s", HIGHER),
+    ("edit|acceptance", "drafts that stood", "share", HIGHER),
+    ("prose|decode", "decode", "tok/s", HIGHER),
+    ("prose|acceptance", "drafts that stood", "share", HIGHER),
+)
+# (name, numerator, denominator, workload, target): the ratios of medians issue 33 asks for
+SPECULATION_TARGETS: tuple[tuple[str, str, str, str, float], ...] = (
+    ("edit: lmserve+spec / llama.cpp without speculation", SPEC_ON, PEER_OFF, "edit", 2.0),
+    ("edit: lmserve+spec / llama.cpp n-gram speculation", SPEC_ON, PEER_ON, "edit", 1.3),
+    ("prose: lmserve+spec / lmserve without speculation", SPEC_ON, SPEC_OFF, "prose", 0.95),
+)
+
+
+def speculation_titles(plan: EditPlan, source_tokens: int | None = None) -> dict[str, str]:
+    size = source_tokens or plan.source_tokens
+    return {"edit": f"edit: ~{size}-token file back, {plan.edit_tokens} tokens",
+            "prose": f"free prose, {plan.prose_tokens} tokens"}
+
+
+def build_speculation_rows(plan: EditPlan, per_variant: dict[str, list[RepeatFigures]],
+                           source_tokens: int | None = None) -> list[Row]:
+    """Each variant's per-repeat decode rates and acceptance as table rows (pure)."""
+    titles = speculation_titles(plan, source_tokens)
+    rows = []
+    for key, label, unit, better in SPECULATION_ROWS:
+        row = Row(titles[key.split("|")[0]], label, unit, better)
+        for variant, repeats in per_variant.items():
+            row.values[variant] = [v for v in (r.values.get(key) for r in repeats) if v is not None]
+        if any(row.values.values()):
+            rows.append(row)
+    return rows
+
+
+def speculation_ratios(rows: Sequence[Row]) -> list[tuple[str, float | None, float]]:
+    """(name, ratio of the medians or None where a figure is missing, target) of each
+    SPECULATION_TARGETS ratio, from the decode rows."""
+    decode = {("edit" if row.scenario.startswith("edit") else "prose"): row for row in rows if row.metric == "decode"}
+    out = []
+    for name, ours, theirs, workload, target in SPECULATION_TARGETS:
+        row = decode.get(workload)
+        out.append((name, ratio(row.spread(ours), row.spread(theirs)) if row else None, target))
+    return out
+
+
+def format_speculation_ratios(ratios: Sequence[tuple[str, float | None, float]]) -> str:
+    lines = []
+    width = max(len(name) for name, _, _ in ratios)
+    for name, value, target in ratios:
+        verdict = "n/a" if value is None else ("meets" if value >= target else "MISSES")
+        shown = "" if value is None else f"{value:.2f}x"
+        lines.append(f"{name.ljust(width)}  {shown:>6}  target >= {target:.2f}: {verdict}")
+    return "\n".join(lines)
+
+
+def write_speculation_results(out: Path, plan: EditPlan, per_variant: dict[str, list[RepeatFigures]],
+                              meta: dict[str, Any]) -> dict[str, Any]:
+    """The speculation comparison's JSON (after every server run, as ``write_results``)."""
+    source = meta.get("edit_source") or {}
+    rows = build_speculation_rows(plan, per_variant, source.get("tokens"))
+    meta = {**meta, "workload": "edit", "plan": dataclasses.asdict(plan),
+            "repeats_done": {v: len(r) for v, r in per_variant.items()},
+            "checks": {v: [r.checks for r in reps] for v, reps in per_variant.items()}}
+    document = results_json(rows, meta, list(per_variant))
+    document["ratios"] = [{"name": n, "ratio": r, "target": t} for n, r, t in speculation_ratios(rows)]
+    return write_document(out, document)
+
+
+def print_speculation_report(document: dict[str, Any]) -> None:
+    """The side-by-side table of the four variants, the ratios against their targets, and each
+    variant's edit reply: how much of it is the file copied, and what its drafts did."""
+    meta = document["meta"]
+    rows = rows_from_json(document)
+    source = meta.get("edit_source") or {}
+    print()
+    print(f"speculative decoding, {meta.get('model')}, {meta.get('threads')} threads, one stream, greedy; "
+          f"edit source {source.get('path')} ({source.get('tokens')} tokens, sha256 {source.get('digest')}); "
+          f"repeats {meta.get('repeats_done') or meta.get('repeats')}; median (min-max) over repeats")
+    print(format_text_table(rows, document["servers"]))
+    print()
+    print(format_speculation_ratios(speculation_ratios(rows)))
+    for variant, runs in (meta.get("checks") or {}).items():
+        copied = [run.get("edit lines copied from the file") for run in runs]
+        drafts = [run.get("edit speculation") for run in runs]
+        print(f"{variant}: edit reply lines copied from the file {copied}; drafts {drafts}")
+    for variant, command in (meta.get("server_commands") or {}).items():
+        print(f"{variant}: {' '.join(command)}")

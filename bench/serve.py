@@ -32,6 +32,15 @@ Scenarios:
    prompt with tool schemas, a tool round trip, then several turns), on servers that serve
    ``/v1/messages``.
 
+``--speculation`` runs instead the speculative-decoding comparison, one stream, greedy, every
+token of the reply forced (end-of-turn biased away): an ``edit`` reply (a ~1.5k-token file of this
+repository, read at run time, asked back whole with one function renamed, as an agent's
+whole-file write makes a model do) and a ``free prose`` one, where drafts rarely hit, on four
+servers: lmserve with ``--spec off`` and with ``--spec ngram --spec-max N``, llama-server
+without speculation and with its n-gram speculation (``--peer-spec``). Its table gives decode
+tokens/s and the share of drafted tokens that stood, and the ratios issue 33 sets targets for.
+Results go to ``bench/results/speculation.json``.
+
 Peak memory is the largest sum of RSS over the server's process tree, sampled every 100 ms.
 Every figure is min / median / max over the repeats (each repeat's value is the median over its
 streams); the ratio is lmserve's median over llama.cpp's. Results go to
@@ -61,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import machine_facts, wait_for_quiet
-from bench.measure import RepeatFigures, run_server_repeat
+from bench.measure import RepeatFigures, run_server_repeat, run_speculation_repeat
 from bench.memory import MemorySampler
 from bench.peer import (
     PEER_CMAKE_ARGS,
@@ -73,17 +82,34 @@ from bench.peer import (
     peer_kernels,
     peer_version,
 )
-from bench.report import print_report, summary_table, write_results
+from bench.report import (
+    print_report,
+    print_speculation_report,
+    summary_table,
+    write_results,
+    write_speculation_results,
+)
 from bench.servers import (
     LMSERVE,
     PEER,
+    PEER_NGRAM,
     SERVERS,
     lmserve_spec,
     peer_spec,
+    speculation_variants,
     start_server,
     stop_server,
 )
-from bench.workload import FULL, QUICK, Plan, Workload
+from bench.workload import (
+    EDIT_FULL,
+    EDIT_QUICK,
+    FULL,
+    QUICK,
+    EditPlan,
+    Plan,
+    Workload,
+    edit_source,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -129,8 +155,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quiet-wait", type=float, default=300, metavar="S",
                    help="longest wait for that (and before each scenario), in seconds (default 300)")
     p.add_argument("--cc-system", type=int, help="claude-code system prompt tokens (default 16000; 3000 quick)")
+    p.add_argument("--speculation", action="store_true",
+                   help="only the speculative-decoding comparison: the edit and free-prose replies on lmserve "
+                        "--spec off / ngram and llama-server without / with n-gram speculation")
+    p.add_argument("--spec-max", type=int, default=8, metavar="N",
+                   help="with --speculation: lmserve's --spec-max (default 8)")
+    p.add_argument("--peer-spec", default=" ".join(PEER_NGRAM), metavar="FLAGS",
+                   help=f"with --speculation: llama-server's n-gram speculation flags (default "
+                        f"'{' '.join(PEER_NGRAM)}', the best of a trial on the edit reply)")
+    p.add_argument("--edit-source", metavar="FILE",
+                   help=f"with --speculation: the file the edit reply gives back (default {EDIT_FULL.source})")
     p.add_argument("--render", metavar="JSON", help="only print the table and redraw the chart of a results file")
-    p.add_argument("--out", default=str(RESULTS / "serve.json"), help="JSON output (the PNG goes beside it)")
+    p.add_argument("--out", default=None,
+                   help="JSON output (default bench/results/serve.json, or speculation.json with --speculation; "
+                        "the PNG goes beside it)")
     return p.parse_args(argv)
 
 
@@ -163,9 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:
         path = Path(args.render)
-        print_report(json.loads(path.read_text()), path)
+        document = json.loads(path.read_text())
+        if document["meta"].get("workload") == "edit":
+            print_speculation_report(document)
+        else:
+            print_report(document, path)
         return 0
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if args.speculation:
+        return run_speculation(args, argv)
+    args.out = args.out or str(RESULTS / "serve.json")
     plan = QUICK if args.quick else FULL
     if args.cc_system:
         plan = dataclasses.replace(plan, cc_system=args.cc_system)
@@ -278,6 +323,63 @@ def run_model(args: argparse.Namespace, argv: list[str] | None, model: str, plan
                              run_meta(args, argv, model, repeats, peer_bin, commands, loads, started_all, kernels))
     print_report(document, out)
     return document
+
+
+def run_speculation(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The speculation comparison: every variant restarted for every repeat, the repeats of the
+    variants interleaved, one stream at a time."""
+    import shlex
+
+    from shared.default_model import default_model_path
+    model = args.model or str(default_model_path())
+    plan: EditPlan = EDIT_QUICK if args.quick else EDIT_FULL
+    if args.edit_source:
+        plan = dataclasses.replace(plan, source=args.edit_source)
+    repeats = args.repeats or (1 if args.quick else 3)
+    wanted = [s for s in args.servers.split(",") if s]
+    unknown = [s for s in wanted if s not in SERVERS]
+    if unknown:
+        print(f"bench.serve: unknown server(s) {unknown}; names are {', '.join(SERVERS)}", file=sys.stderr)
+        return 2
+    variants = speculation_variants(args.spec_max, shlex.split(args.peer_spec), wanted)
+    peer_bin = ensure_peer(find_peer_build(args.peer_build)) if PEER in wanted else None
+    out = Path(args.out or RESULTS / "speculation.json")
+    work = Workload(model, QUICK if args.quick else FULL)
+    source = edit_source(plan, work.count)
+    print(f"bench.serve: edit source {source.path}, {source.tokens} tokens; renaming {source.function}", flush=True)
+    per_variant: dict[str, list[RepeatFigures]] = {v.name: [] for v in variants}
+    commands: dict[str, list[str]] = {}
+    loads: dict[str, list[dict[str, float]]] = {v.name: [] for v in variants}
+    started_all = time.perf_counter()
+    document: dict[str, Any] = {}
+    for repeat in range(repeats):
+        for variant in variants:
+            print(f"bench.serve: repeat {repeat + 1}/{repeats}, {variant.name}", flush=True)
+            before = wait_for_quiet(args.quiet, args.quiet_wait) if args.quiet >= 0 else None
+            spec = (lmserve_spec(model, args.ctx, args.parallel, args.threads, args.kv_slots, extra=variant.flags)
+                    if variant.server == LMSERVE
+                    else peer_spec(peer_bin, model, args.ctx, args.parallel, args.threads, variant.flags))  # type: ignore[arg-type]
+            commands[variant.name] = spec.command
+            proc = start_server(spec, RESULTS / f"speculation-{variant.server}.log.tmp")
+            sampler = MemorySampler(proc.pid).start()
+            try:
+                figs = asyncio.run(run_speculation_repeat(spec.base_url, work, plan, source, repeat))
+            except Exception as exc:
+                raise RuntimeError(f"{variant.name}, repeat {repeat + 1}: {exc}") from exc
+            finally:
+                load = sampler.stop()
+                stop_server(proc)
+            loads[variant.name].append({**load, "other_cores_before": before} if before is not None else load)
+            per_variant[variant.name].append(figs)
+            print(f"bench.serve:   edit {figs.values.get('edit|decode') or 0:.1f} tok/s, prose "
+                  f"{figs.values.get('prose|decode') or 0:.1f} tok/s; checks {json.dumps(figs.checks)}", flush=True)
+            meta = run_meta(args, argv, model, repeats, peer_bin, commands, loads, started_all)
+            meta["edit_source"] = {k: v for k, v in dataclasses.asdict(source).items() if k != "text"}
+            meta["spec_max"], meta["peer_spec"] = args.spec_max, args.peer_spec
+            document = write_speculation_results(out, plan, per_variant, meta)
+    print_speculation_report(document)
+    print(f"wrote {out}")
+    return 0
 
 
 def memory_floor(args: argparse.Namespace, model: str, wanted: list[str], peer_bin: Path | None) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,25 +34,58 @@ class ServerSpec:
 
 
 def lmserve_spec(model: str, ctx: int, parallel: int, threads: int, kv_slots: int | None = None,
-                 kernel_cache: str | None = None) -> ServerSpec:
+                 kernel_cache: str | None = None, extra: Sequence[str] = ()) -> ServerSpec:
     """``lmserve serve`` with --batch ``parallel`` (and --kv-slots its default, unless given);
-    ``kernel_cache``: numba's cache directory for the run (an empty one: a first start)."""
+    ``kernel_cache``: numba's cache directory for the run (an empty one: a first start);
+    ``extra``: more flags (a worker's --spec)."""
     port = free_port()
     env = {k: str(threads) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     if kernel_cache:
         env["NUMBA_CACHE_DIR"] = kernel_cache
     slots = ["--kv-slots", str(kv_slots)] if kv_slots else []
     return ServerSpec(LMSERVE, [sys.executable, "-m", "launcher.cli", "serve", model, "--ctx", str(ctx),
-                                "--batch", str(parallel), *slots, "--threads", str(threads), "--port", str(port)],
+                                "--batch", str(parallel), *slots, "--threads", str(threads), "--port", str(port),
+                                *extra],
                       port, "/health", env)
 
 
-def peer_spec(binaries: Path, model: str, ctx: int, parallel: int, threads: int) -> ServerSpec:
+def peer_spec(binaries: Path, model: str, ctx: int, parallel: int, threads: int,
+              extra: Sequence[str] = ()) -> ServerSpec:
     port = free_port()
     return ServerSpec(PEER, [str(binaries / "llama-server"), "-m", model, "-c", str(ctx), "--parallel", str(parallel),
                              "--kv-unified", "-t", str(threads), "-tb", str(threads),
-                             "--host", "127.0.0.1", "--port", str(port)],
+                             "--host", "127.0.0.1", "--port", str(port), *extra],
                       port, "/health")
+
+
+# llama-server's n-gram speculation for the edit workload: the fastest edit reply in a trial on
+# the default model, 2 threads (edit tok/s, one or two readings each; 63 without speculation):
+# ngram-cache 49, ngram-simple 72, ngram-map-k4v 94, ngram-map-k 90-96, ngram-mod at its defaults
+# (drafts of 48 to 64 tokens) 104-114, ngram-mod with drafts of 32 to 128 tokens 139-145 (64 to
+# 256: 140; with a 16-token lookup: 143); shorter lookups of ngram-simple and ngram-map-k were slower.
+PEER_NGRAM = ("--spec-type", "ngram-mod", "--spec-ngram-mod-n-min", "32", "--spec-ngram-mod-n-max", "128")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One server configuration of the speculation comparison."""
+    name: str  # as the table heads its column
+    server: str  # LMSERVE or PEER
+    flags: tuple[str, ...]  # appended to the server's command line
+
+
+SPEC_OFF, SPEC_ON, PEER_OFF, PEER_ON = "lmserve spec off", "lmserve spec ngram", "llama.cpp no spec", "llama.cpp ngram"
+
+
+def speculation_variants(spec_max: int, peer_ngram: Sequence[str] = PEER_NGRAM,
+                         servers: Sequence[str] = SERVERS) -> list[Variant]:
+    """lmserve without and with n-gram speculation, llama-server without and with its own, of
+    the servers wanted."""
+    every = [Variant(SPEC_OFF, LMSERVE, ("--spec", "off")),
+             Variant(SPEC_ON, LMSERVE, ("--spec", "ngram", "--spec-max", str(spec_max))),
+             Variant(PEER_OFF, PEER, ()),
+             Variant(PEER_ON, PEER, tuple(peer_ngram))]
+    return [v for v in every if v.server in servers]
 
 
 def start_server(spec: ServerSpec, log: Path, timeout: float = 600.0) -> subprocess.Popen:

@@ -21,6 +21,12 @@ class StreamResult:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     text: str = ""
+    drafted: int | None = None  # speculative decoding: tokens drafted, and of them those that stood
+    accepted: int | None = None
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted and self.accepted is not None else None
 
     @property
     def ttft(self) -> float | None:
@@ -91,6 +97,20 @@ def apply_chat_chunk(result: StreamResult, payload: dict[str, Any], now: float) 
         result.tokens = usage.get("completion_tokens")
         result.prompt_tokens = usage.get("prompt_tokens")
         result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    apply_speculation(result, payload)
+
+
+def apply_speculation(result: StreamResult, payload: dict[str, Any]) -> None:
+    """What speculative decoding drafted and what of it stood, as lmserve's usage extension
+    (``speculation: {drafted_tokens, accepted_tokens}``) or llama-server's ``timings``
+    (``draft_n``, ``draft_n_accepted``) report it; absent, the counts stay None."""
+    spec = (payload.get("usage") or {}).get("speculation")
+    if isinstance(spec, dict):
+        result.drafted = spec.get("drafted_tokens", spec.get("drafted"))
+        result.accepted = spec.get("accepted_tokens", spec.get("accepted"))
+    timings = payload.get("timings")
+    if isinstance(timings, dict) and "draft_n" in timings:
+        result.drafted, result.accepted = timings["draft_n"], timings.get("draft_n_accepted")
 
 
 def apply_messages_event(result: StreamResult, event: str | None, payload: dict[str, Any], now: float) -> None:

@@ -3,11 +3,16 @@ the model's own tokenizer, deterministic per seed."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -28,6 +33,62 @@ FULL = Plan(short_tokens=256, concurrency=(1, 4, 8), long_prompt=2000, long_toke
             cc_system=16000, cc_turns=4, cc_tokens=64)
 QUICK = Plan(short_tokens=32, concurrency=(1, 4, 8), long_prompt=500, long_tokens=16, longer_prompt=1500,
              cc_system=3000, cc_turns=2, cc_tokens=16)
+
+
+@dataclass
+class EditPlan:
+    """The speculation comparison's two single-stream replies: a source file given back with one
+    change (``edit``), and free prose (``prose``), where drafts rarely hit."""
+    source: str  # a file of this repository (relative to its root) or any path, read at run time
+    source_tokens: int  # the file is cut to whole lines within this many tokens
+    edit_tokens: int  # the edit reply's length: most of the file
+    prose_tokens: int
+
+
+EDIT_FULL = EditPlan(source="worker/stream.py", source_tokens=1500, edit_tokens=1024, prose_tokens=512)
+EDIT_QUICK = EditPlan(source="worker/stream.py", source_tokens=300, edit_tokens=64, prose_tokens=32)
+
+
+@dataclass(frozen=True)
+class EditSource:
+    path: str  # as the prompt names it
+    text: str
+    tokens: int
+    digest: str  # of the text, so that runs on different versions of the file can be told apart
+    function: str  # the function the edit renames
+
+
+def edit_source(plan: EditPlan, count: Callable[[str], int]) -> EditSource:
+    """The plan's file, cut after the last whole line within ``plan.source_tokens``, and the
+    first function it defines (the one the edit renames)."""
+    path = Path(plan.source) if Path(plan.source).is_absolute() else REPO / plan.source
+    text = ""
+    for line in path.read_text().splitlines(keepends=True):
+        if count(text + line) > plan.source_tokens:
+            break
+        text += line
+    match = re.search(r"^\s*(?:async\s+)?def\s+(\w+)", text, re.MULTILINE)
+    name = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else path.name
+    return EditSource(name, text, count(text), hashlib.sha256(text.encode()).hexdigest()[:12],
+                      match.group(1) if match else "main")
+
+
+def edit_messages(source: EditSource) -> list[dict[str, Any]]:
+    """The request an agent's whole-file write makes: the file, one change, the whole file back."""
+    return [{"role": "user", "content": (
+        f"Here is the file {source.path}:\n\n```python\n{source.text}```\n\n"
+        f"Rename the function `{source.function}` to `{source.function}_v2`, and its uses. Reply with the "
+        "whole file after the change, in one code block, and nothing else.")}]
+
+
+def copied_share(source: str, reply: str) -> float | None:
+    """The share of the reply's non-blank lines that are lines of the source (stripped): how much
+    of the reply is the file copied, rather than text of the model's own."""
+    lines = [line.strip() for line in reply.splitlines() if line.strip()]
+    if not lines:
+        return None
+    known = {line.strip() for line in source.splitlines()}
+    return sum(line in known for line in lines) / len(lines)
 
 
 _SUBJECTS = ("the scheduler", "every gateway", "the cache layer", "a background job", "the parser",

@@ -64,6 +64,7 @@ class AccessRecord:
     first_token_at: float | None = None
     last_token_at: float | None = None
     placement: Placement | None = None  # the worker that took a model request, and why
+    accepted: str | None = None  # speculative decoding: "stood/drafted" tokens of the reply
 
     def fields(self, gateway: str, ended: float) -> dict[str, Any]:
         def ms(at: float | None) -> float | None:
@@ -75,7 +76,7 @@ class AccessRecord:
                 "completion_tokens": self.completion_tokens, "finish": self.finish,
                 "ttft_ms": ms(self.first_token_at), "total_ms": ms(ended),
                 "worker": self.placement.worker if self.placement else None,
-                "route": self.placement.route if self.placement else None}
+                "route": self.placement.route if self.placement else None, "drafts_stood": self.accepted}
 
 
 def text_line(fields: dict[str, Any]) -> str:
@@ -115,6 +116,8 @@ async def observe(scope: dict[str, Any], stream: bool, events: AsyncIterator[Eve
                     record.cached_tokens = event.usage.cached_tokens
                     record.completion_tokens = event.usage.completion_tokens
                     record.finish = event.reason
+                    if event.usage.drafted_tokens:
+                        record.accepted = f"{event.usage.accepted_tokens}/{event.usage.drafted_tokens}"
             yield event
 
 

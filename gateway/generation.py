@@ -93,6 +93,7 @@ async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest
                               grammar_after_reasoning=grammar is not None and after_reasoning,
                               cache_hint=request.cache_hint, stop_ids=[] if request.ignore_eos else None,
                               cartridge_ids=list(request.cartridges), namespace=request.tenant,
+                              speculate=request.speculate,
                               **(_retrieval(view, request, prompt) if view.card.capabilities.fleet else {}),
                               prompt_logprobs=-1 if request.prompt_logprobs is None else request.prompt_logprobs)
     tokenizer = view.tokenizer
@@ -165,6 +166,7 @@ async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest
                 usage.prompt_tokens = message.prompt_tokens or usage.prompt_tokens
                 usage.completion_tokens = message.completion_tokens
                 usage.reasoning_tokens = reasoning_tokens
+                usage.drafted_tokens, usage.accepted_tokens = message.drafted_tokens, message.accepted_tokens
                 reason = WORKER_REASONS.get(message.reason, "error")
                 error = message.error
                 if message.reason == FinishReason.ABORT:

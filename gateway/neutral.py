@@ -69,6 +69,7 @@ class NeutralRequest:
     # this server's extension: the KV prefixes (cartridges, by name) to serve it behind; empty:
     # the worker's default (--cartridge), if any
     cartridges: list[str] = field(default_factory=list)
+    speculate: bool = True  # this server's extension: speculation: false turns speculative decoding off
     # The reply's constraint, as the worker takes it ({"kind": json_schema | json_object | regex |
     # lark, "source": text}); forced tool calls bring their own (gateway/tool_calls.py).
     grammar: dict[str, str] | None = None
@@ -95,12 +96,18 @@ class Usage:
     completion_tokens: int = 0
     reasoning_tokens: int = 0
     cartridges: list[str] = field(default_factory=list)  # the KV prefixes it was served behind
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted, and of them those that stood
+    accepted_tokens: int = 0
 
 
 def usage_extras(usage: Usage) -> dict[str, Any]:
-    """What every dialect's usage block carries beyond its own fields: the cartridges that
-    served the reply (this server's extension), where there were any."""
-    return {"cartridges": list(usage.cartridges)} if usage.cartridges else {}
+    """What every dialect's usage block carries beyond its own fields (this server's extension):
+    the cartridges that served the reply, and what speculative decoding drafted and what of it
+    stood, where there were any."""
+    extras: dict[str, Any] = {"cartridges": list(usage.cartridges)} if usage.cartridges else {}
+    if usage.drafted_tokens:
+        extras["speculation"] = {"drafted_tokens": usage.drafted_tokens, "accepted_tokens": usage.accepted_tokens}
+    return extras
 
 
 @dataclass

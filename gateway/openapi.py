@@ -37,6 +37,8 @@ FIELD_TYPES: dict[str, dict[str, Any]] = {
                    "description": "this server's extension: the KV prefixes (cartridges, by name) to serve the "
                                   "request behind instead of the default one; several compose in "
                                   "the order given"},
+    "speculation": {"type": "boolean", "description": "this server's extension: false turns speculative decoding "
+                    "off for the request (it never changes a token)"},
     "grammar": {"type": "object", "description": "this server's extension: {type: json_schema | regex | lark "
                 "| llguidance, definition}, the reply held to it"},
 }

@@ -198,6 +198,13 @@ def text_of_parts(content: Any, where: str, part_types: tuple[str, ...] = ("text
     return "".join(pieces)
 
 
+def speculation_field(body: dict[str, Any]) -> bool:
+    """This server's extension in every dialect: ``speculation: false`` turns speculative
+    decoding off for the request (it never changes a token: a client measuring speed may want
+    it off)."""
+    return field(body, "speculation", bool, default=True)
+
+
 def cartridges_field(body: dict[str, Any]) -> list[str]:
     """This server's extension in every dialect: ``cartridges``, the names of the KV prefixes
     (``--cartridges``) to serve the request behind; absent or empty: the worker's default."""

@@ -227,6 +227,7 @@ class Generate(Message):
     prompt_logprobs: int = -1
     # whose cached prefixes the request may reuse: a tenant's digest with several API keys, "" for all
     namespace: str = ""
+    speculate: bool = True  # False: no speculative decoding for this request (it never changes a token)
 
     def body(self) -> dict[str, Any]:
         data = asdict(self)
@@ -310,6 +311,9 @@ class Finished(Message):
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    # speculative decoding: tokens drafted for the reply, and of them those that stood
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     def body(self) -> dict[str, Any]:
         return {**asdict(self), "reason": self.reason.value}

@@ -136,6 +136,11 @@ _DEFAULTS["qwen35"] = {**_DEFAULTS["qwen3"], "n_layer": 4, "rope_base": 1e7, "ro
 # gated shared expert of width 48 (``n_ff``); gate and up stacked apart.
 _DEFAULTS["qwen35moe"] = {**_DEFAULTS["qwen35"], "n_ff": 48, "n_expert": 8, "n_expert_used": 2, "n_ff_exp": 32,
                           "write_optional": ("ffn_gate_exps.weight", "ffn_up_exps.weight")}
+# Both may carry multi-token-prediction blocks after the trunk (``nextn_predict_layers``,
+# counted in ``block_count``); the plain tiny files have none.
+for _family in ("qwen35", "qwen35moe"):
+    _DEFAULTS[_family]["nextn_layers"] = 0
+    _DEFAULTS[_family].setdefault("write_optional", ())
 
 # diffusion-gemma: the gemma4 tiny layout (every layer with experts) as a text-diffusion model
 # writing canvases of 8 tokens; its encoder's and decoder's layer scales differ.
@@ -170,6 +175,14 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma4_e": ("gemma4", {"n_expert": 0, "n_embd_per_layer": 8, "shared_kv_layers": 2,
                             "swa_pattern": (True, True, True, False, True, False),
                             "write_optional": ("layer_output_scale.weight",)}),
+}
+# Tiny files with one MTP block (its own head norm written; embedding and head shared), whose
+# drafts are held to llama.cpp's draft-mtp (scripts/regen_mtp_fixtures.py,
+# tests/engine/test_mtp.py): name -> (architecture, overrides).
+MTP_FIXTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen35_mtp": ("qwen35", {"nextn_layers": 1, "write_optional": ("nextn.shared_head_norm.weight",)}),
+    "qwen35moe_mtp": ("qwen35moe", {"nextn_layers": 1, "write_optional": (
+        "ffn_gate_exps.weight", "ffn_up_exps.weight", "nextn.shared_head_norm.weight")}),
 }
 # every logit fixture from llama.cpp of a tiny model: its name -> (architecture, overrides)
 TINY_FIXTURES = {**{arch: (arch, {}) for arch in ARCHS + RECURRENT}, **VARIANTS}
@@ -416,13 +429,15 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
     writer = gguf.GGUFWriter(os.fspath(path), arch)
     writer.add_name(name)
     writer.add_file_type(int(_TENSOR_TYPES[hp["tensor_type"]][1]))
-    writer.add_block_count(hp["n_layer"])
+    writer.add_block_count(hp["n_layer"] + hp.get("nextn_layers", 0))
     writer.add_context_length(hp["context_length"])
     writer.add_embedding_length(n_embd)
     writer.add_feed_forward_length(hp["n_ff"])
     writer.add_head_count(n_head)
     shapes = _layer_shapes(hp)
-    writer.add_head_count_kv([shape.n_head_kv for shape in shapes] if shapes else n_head_kv)
+    # per layer where layers differ, MTP blocks (full attention) included
+    mtp_kv_heads = [n_head_kv] * hp.get("nextn_layers", 0)
+    writer.add_head_count_kv([shape.n_head_kv for shape in shapes] + mtp_kv_heads if shapes else n_head_kv)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(hp["rope_base"]))
@@ -453,6 +468,8 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
         writer.add_ssm_inner_size(hp["ssm_value_heads"] * hp["ssm_value_dim"])
         writer.add_full_attention_interval(hp["full_attention_interval"])
         writer.add_rope_dimension_sections(list(hp["rope_sections"]))
+        if hp["nextn_layers"]:
+            writer.add_uint32(f"{arch}.nextn_predict_layers", hp["nextn_layers"])
     add_tokenizer_keys(writer, vocab)
 
     rng = np.random.default_rng(seed)
@@ -488,7 +505,8 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
         else:
             value = normal(tensor.shape, 1.0 / np.sqrt(tensor.shape[-1]))
         sink.add(tensor.name, value, keep_f32=tensor.kind not in (MATRIX, TABLE))
-    for layer in range(hp["n_layer"]):
+    # the trunk's layers, then any MTP blocks (declared by the family for indices past the trunk)
+    for layer in range(hp["n_layer"] + hp.get("nextn_layers", 0)):
         for tensor in ARCHITECTURES[arch].layer_tensors(declared, layer):
             if tensor.optional and tensor.name not in written_optional:
                 continue

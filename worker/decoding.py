@@ -1,10 +1,10 @@
 """Autoregressive decoding of the streams of a step: what each feeds the model, and what is done
 with the logits it gets back (grammar masks, sampling, the grammar's advance, the TOKENS sent).
 
-This is where a decoding strategy lives. Today a decoding stream feeds the one token it sampled
-last and takes one token from the last row's logits; a strategy that verifies several tokens per
-weight pass (speculative decoding) feeds its drafts after that token in ``feed`` and accepts
-from the rows it gets back in ``advance``, and the scheduler's step loop stays as it is.
+A decoding stream feeds the token it sampled last and, where speculation is on, the tokens
+drafted after it (``worker/speculation.py`` says why the reply stays the one decoding without
+speculation would write); ``advance`` samples the rows in order while the drafts stand, and
+the cache forgets the rest.
 """
 
 from __future__ import annotations
@@ -15,30 +15,106 @@ import time
 import numpy as np
 
 from shared.protocol import FinishReason, Tokens, TopLogprob
+from worker import metrics
+from worker.engine.model import DecoderModel
 from worker.grammar import GrammarEngine, error_text
+from worker.speculation import SpeculationSettings, StreamSpeculation
 from worker.stream import Finish, Send, Stream
 
 SLOW_MASKS = 1.0  # seconds: a step whose grammar masks take longer is logged with its streams
 log = logging.getLogger("lmserve.worker")
 
 
-
 class Decoding:
-    def __init__(self, grammar: GrammarEngine | None, ctx: int, send: Send, finish: Finish):
+    def __init__(self, model: DecoderModel, grammar: GrammarEngine | None, ctx: int, send: Send, finish: Finish,
+                 speculation: SpeculationSettings | None = None):
+        self.model = model
         self.grammar = grammar
         self.ctx = ctx
         self.send = send
         self.finish = finish
+        self.speculation = speculation if speculation is not None and speculation.on else None
+
+    # --- what a stream feeds ------------------------------------------------------------------
 
     def feed(self, stream: Stream) -> list[int]:
-        """The tokens a decoding stream puts through the next weight pass."""
-        return [stream.next_token]
+        """The tokens a decoding stream puts through the next weight pass: the one it sampled
+        last, then what is drafted after it."""
+        spec = self.speculation_of(stream)
+        if spec is None:
+            return [stream.next_token]
+        # every row fed may become a token: no more than the reply and the context still allow
+        written = stream.prefix + len(stream.request.prompt) + stream.completion
+        room = min(stream.request.max_tokens - stream.completion, self.ctx - written) - 1
+        drafts = spec.index.propose(min(spec.limit(self.speculation.max_draft), room)) if room > 0 else []
+        spec.kind = getattr(spec.index, "kind", spec.kind)  # of several kinds, the one that drafted
+        if drafts and stream.matcher is not None and stream.grammar_active:
+            drafts = drafts[:stream.matcher.validate_tokens(drafts)]  # a token the grammar forbids ends them
+        spec.drafts = drafts
+        cache = stream.slot.cache
+        spec.checkpoint = (cache.length, cache.checkpoint()) if drafts and not cache.rewindable else None
+        return [stream.next_token, *drafts]
+
+    def speculation_of(self, stream: Stream) -> StreamSpeculation | None:
+        """A stream's speculation, begun at its first decoding step; None where it does not
+        speculate (off here, or in its request)."""
+        if stream.spec is None and self.speculation is not None and stream.request.speculate:
+            stream.spec = StreamSpeculation(self.speculation.drafter([*stream.request.prompt, stream.next_token]),
+                                            self.speculation.kinds[0])
+        return stream.spec
+
+    # --- what it gets back --------------------------------------------------------------------
 
     def advance(self, sampled: list[tuple[Stream, np.ndarray]]) -> None:
-        """Each stream's next token from its logits, within its grammar, sent to its gateway."""
+        """Each stream's next token(s) from its logits, within its grammar, sent to its gateway."""
         masks = self.masks([s for s, _ in sampled])
         for stream, logits in sampled:
-            self.emit(stream, logits, masks.get(id(stream)))
+            if logits.ndim == 1:
+                self.emit(stream, logits, masks.get(id(stream)))
+            else:
+                self.verify(stream, logits, masks.get(id(stream)))
+
+    def verify(self, stream: Stream, rows: np.ndarray, allowed: np.ndarray | None) -> None:
+        """Sample the rows of a pass that fed drafts, in order, while the drafts stand; then
+        make the cache hold the fed token and the drafts that stood, nothing after."""
+        spec, cache = stream.spec, stream.slot.cache
+        drafts, spec.drafts = spec.drafts, []
+        fed_at = cache.length - len(rows)  # where the token sampled last went
+        fed = cache.tokens[fed_at:]
+        stood = 0
+        for i, row in enumerate(rows):
+            if i and stream.matcher is not None and stream.grammar_active:
+                allowed = self.mask_alone(stream)
+            token = None if stream.done else self.emit(stream, row, allowed)
+            if token is None or i == len(drafts) or token != drafts[i]:
+                break
+            stood += 1
+        spec.count(len(drafts), stood)
+        metrics.SPEC_TOKENS.labels(spec.kind, "drafted").inc(len(drafts))
+        metrics.SPEC_TOKENS.labels(spec.kind, "accepted").inc(stood)
+        keep = fed_at + 1 + stood
+        if keep >= cache.length:
+            return
+        if cache.rewindable:
+            cache.truncate(keep)
+            return
+        # recurrent states hold every token read: back to those before the pass, then read again
+        length, states = spec.checkpoint
+        cache.rewind(length, states)
+        if stream.done:
+            return
+        try:
+            self.model.forward([(cache, fed[:1 + stood])])
+        except Exception:
+            log.exception("reading the accepted drafts again failed for %s", stream.request.request_id)
+            self.finish(stream, FinishReason.ERROR, "the engine failed on this request")
+
+    def mask_alone(self, stream: Stream) -> np.ndarray | None:
+        try:
+            return self.grammar.masks([stream.matcher])[0]
+        except Exception as exc:
+            self.finish(stream, FinishReason.ERROR, f"the grammar matcher failed: {exc}")
+            return None
 
     def masks(self, streams: list[Stream]) -> dict[int, np.ndarray]:
         """One bitmask computation for every constrained stream of this step; if that fails,
@@ -64,19 +140,21 @@ class Decoding:
                 self.finish(stream, FinishReason.ERROR, f"the grammar matcher failed: {exc}")
         return masks
 
-    def emit(self, stream: Stream, logits: np.ndarray, allowed: np.ndarray | None = None) -> None:
+    def emit(self, stream: Stream, logits: np.ndarray, allowed: np.ndarray | None = None) -> int | None:
+        """Sample a token, send it, and end the stream where its reply is over; the token, or
+        None where none was sampled."""
         request = stream.request
         if stream.done:
-            return  # ended while its mask was computed
+            return None  # ended while its mask was computed
         if stream.matcher is not None and stream.grammar_active and stream.matcher.is_error():
             self.finish(stream, FinishReason.ERROR, f"the grammar matcher failed: {error_text(stream.matcher)}")
-            return
+            return None
         try:
             token = stream.sampler.sample(logits, allowed)
         except Exception as exc:
             log.exception("sampling failed for %s", request.request_id)
             self.finish(stream, FinishReason.ERROR, f"sampling failed: {exc}")
-            return
+            return None
         grammar_done = False
         if stream.matcher is not None and token.token_id not in stream.stop_ids:
             if stream.grammar_active:
@@ -84,7 +162,7 @@ class Decoding:
                 if not stream.matcher.consume_token(token.token_id):
                     self.finish(stream, FinishReason.ERROR,
                                 f"the grammar matcher failed: {error_text(stream.matcher) or 'token refused'}")
-                    return
+                    return None
                 grammar_done = stream.matcher.is_stopped()  # nothing but end-of-turn may follow
             elif token.token_id == self.grammar.think_close:
                 stream.grammar_active = True  # the reasoning block ended: the grammar starts now
@@ -95,8 +173,11 @@ class Decoding:
             [token.logprob] if wants_logprobs else None,
             [[TopLogprob(i, lp) for i, lp in token.top_logprobs]] if stream.params.top_logprobs else None,
             stream.cached if stream.completion == 1 else None))
+        if stream.spec is not None:
+            stream.spec.index.extend([token.token_id])
         reason = stream.end_reason(token.token_id in stream.stop_ids or grammar_done, self.ctx)
         if reason is not None:
             self.finish(stream, reason, None)
         else:
             stream.next_token = token.token_id
+        return token.token_id

@@ -10,6 +10,7 @@ from kvstore.chunks import DEFAULT_CHUNK_TOKENS
 from shared import log_format
 from shared.command_line import CommaList, EnvParser, env_name, new_parser
 from shared.protocol import DEFAULT_ENDPOINT, DEFAULT_QUEUE, HEARTBEAT_TIMEOUT
+from worker.speculation import SpeculationSettings
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -88,6 +89,15 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
                         "half of the memory available holds, from 4 to 16; a slot costs only what it holds)")
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="prompt tokens computed per step while other streams decode")
+    p.add_argument("--spec", action=CommaList, default=list(SpeculationSettings.kinds), metavar="KIND,…",
+                   help="speculative decoding: what drafts the tokens each weight pass verifies, ngram (a "
+                        "lookup in what the stream has read and written), or off. It never changes a token "
+                        f"of a reply (default {','.join(SpeculationSettings.kinds)})")
+    p.add_argument("--draft", default=None, metavar="MODEL",
+                   help="a small model of the same vocabulary that drafts for --spec draft (a GGUF path or a "
+                        "known name); given, --spec defaults to ngram,draft")
+    p.add_argument("--spec-max", type=int, default=SpeculationSettings.max_draft, metavar="N",
+                   help=f"drafted tokens verified per pass at most (default {SpeculationSettings.max_draft})")
     p.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT,
                    help="seconds of silence after which a gateway's requests are ended")
     p.add_argument("--kv-store", default=None,

@@ -25,6 +25,7 @@ from worker.flags import build_parser, check_worker_flags, metrics_host, model_a
 from worker.kv_spill import KVSpiller
 from worker.scheduler import SchedulerSettings, resident_slot_count
 from worker.scripted import ScriptedReplies
+from worker.speculation import DRAFT, KINDS, SpeculationSettings
 from shared.wire_security import ServerKeys, is_loopback_endpoint
 from worker.server import WorkerServer, WorkerSettings
 
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     fix_mmap_threshold()
     try:
         wire = _wire(args)  # before loading: a worker that would refuse its endpoint says so at once
+        speculation = speculation_settings(args)
         from shared.default_model import resolve_model
         path = resolve_model(model_argument(parser, args))
         threads = kernels.set_threads(args.threads or None)
@@ -205,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                                         kv_slots=kv_slots,
                                         prefill_chunk=args.prefill_chunk, threads=threads,
                                         scripted_replies=scripted, cartridge=cartridge,
-                                        library=library, fleet=fleet)))
+                                        library=library, fleet=fleet,
+                                        speculation=with_draft_model(speculation, args.draft, engine, log))))
     except LmserveError as exc:
         print(f"lmserve worker: {exc.message}", file=sys.stderr)
         return 2
@@ -217,6 +220,41 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def speculation_settings(args) -> SpeculationSettings:
+    """--spec, --spec-max and --draft, checked before anything loads."""
+    if args.draft and args.spec == list(SpeculationSettings.kinds):  # a draft model given: it drafts too
+        args.spec = [*args.spec, DRAFT]
+    kinds = tuple(kind for kind in args.spec if kind != "off")
+    if DRAFT in kinds and not args.draft:
+        raise LmserveError("--spec draft needs a draft model: --draft MODEL (a small model of the same vocabulary)")
+    unknown = [kind for kind in kinds if kind not in KINDS]
+    if unknown:
+        raise LmserveError(f"--spec {','.join(unknown)}: this worker drafts with {', '.join(KINDS)} (or off)")
+    if args.spec_max < 0:
+        raise LmserveError("--spec-max must be 0 or more")
+    return SpeculationSettings(kinds, args.spec_max)
+
+
+def with_draft_model(settings: SpeculationSettings, draft: str | None, engine: Engine, log) -> SpeculationSettings:
+    """The settings with the draft model loaded, where one drafts; it must share the target's
+    vocabulary, token for token."""
+    if DRAFT not in settings.kinds:
+        return settings
+    from shared.default_model import resolve_model
+
+    drafting = Engine.load(resolve_model(draft))
+    if drafting.tokenizer.to_spec().tokens != engine.tokenizer.to_spec().tokens:
+        raise LmserveError(f"the draft model {drafting.model_id} has another vocabulary than {engine.model_id}: "
+                           "its tokens must be the target's, id for id")
+    if not drafting.model.new_cache(1).rewindable:
+        raise LmserveError(f"the draft model {drafting.model_id} ({drafting.architecture}) keeps recurrent states, "
+                           "which cannot be cut back to the tokens a reply kept: choose an attention-only model")
+    drafting.warm_up()
+    log.info("draft model %s (%s, %.0f MB of weights) drafts for speculative decoding", drafting.model_id,
+             drafting.architecture, drafting.model.weight_bytes / 1e6)
+    return SpeculationSettings(settings.kinds, settings.max_draft, drafting)
 
 
 def _read_template(path: str | None) -> str | None:

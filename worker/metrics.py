@@ -34,6 +34,8 @@ KV_CHUNKS = Counter("lmserve_worker_kvstore_chunks", "KV store chunks by event: 
 KV_BYTES = Counter("lmserve_worker_kvstore_bytes", "KV bytes moved to and from the KV store", ["direction"])
 FLEET_CHOICES = Counter("lmserve_worker_fleet_choices", "A fleet's choices of a conversation's cartridges: new (a "
                         "conversation not seen before), kept (a later turn), switched (--rag-adaptive)", ["how"])
+SPEC_TOKENS = Counter("lmserve_worker_speculative_tokens", "Speculative decoding's drafted tokens, and of them "
+                     "those accepted (the reply holds them), by what drafted them", ["kind", "event"])
 GRAMMAR_COMPILE = Histogram("lmserve_worker_grammar_compile_seconds", "Compiling a request's grammar",
                             buckets=COMPILE_BUCKETS)
 

@@ -44,17 +44,23 @@ def together_else_alone(items: Sequence[Item], stream_of: Callable[[Item], Strea
     return results
 
 
-def forward(model: DecoderModel, batch: list[tuple[Stream, list[int]]], fail: Fail) -> list[np.ndarray | None]:
-    """One weight pass for the batch, each stream's tokens appended to its cache; the last
-    row's logits per stream. Retried stream by stream from the caches' checkpoints."""
+def forward(model: DecoderModel, batch: list[tuple[Stream, list[int]]], fail: Fail,
+            tails: dict[int, int] | None = None) -> list[np.ndarray | None]:
+    """One weight pass for the batch, each stream's tokens appended to its cache; per stream the
+    last row's logits, or its last ``tails[id(stream)]`` rows' where that is given (a stream
+    verifying drafts). Retried stream by stream from the caches' checkpoints."""
     checkpoints = [s.slot.cache.checkpoint() for s, _ in batch] if len(batch) > 1 else []
+    tails = tails or {}
 
     def roll_back() -> None:
         for (stream, _), checkpoint in zip(batch, checkpoints):
             stream.slot.cache.roll_back(checkpoint)
 
-    return together_else_alone(batch, lambda item: item[0],
-                               lambda items: model.forward([(s.slot.cache, toks) for s, toks in items]), fail, roll_back)
+    def run(items: Sequence[tuple[Stream, list[int]]]) -> list[np.ndarray]:
+        return model.forward([(s.slot.cache, toks) for s, toks in items],
+                             tails=[tails.get(id(s), 1) for s, _ in items])
+
+    return together_else_alone(batch, lambda item: item[0], run, fail, roll_back)
 
 
 def score(model: DecoderModel, stream: Stream, tokens: list[int], fail: Fail) -> np.ndarray | None:

@@ -36,6 +36,7 @@ from worker.grammar import GrammarEngine
 from worker.kv_slots import SlotPool
 from worker.kv_spill import KVSpiller
 from worker.scripted import ScriptedReplies
+from worker.speculation import SpeculationSettings
 from worker.stream import Send, Stream, open_stream
 
 log = logging.getLogger("lmserve.worker")
@@ -58,6 +59,7 @@ class SchedulerSettings:
     cartridge: Cartridge | None = None  # a KV prefix before every conversation (worker/cartridges/)
     library: list[Cartridge] = field(default_factory=list)  # more that requests may name instead
     fleet: Fleet | None = None  # cartridges chosen per conversation (worker/cartridges/fleet.py)
+    speculation: SpeculationSettings | None = None  # drafts verified per pass (worker/speculation.py)
 
     @property
     def slot_count(self) -> int:
@@ -74,7 +76,7 @@ class Scheduler:
         self.spiller = spiller
         self.grammar = grammar
         self.cartridges = cartridges or CartridgeChoice(engine, settings.cartridge, settings.library, settings.fleet)
-        self.decoding = Decoding(grammar, settings.ctx, send, self.finish)
+        self.decoding = Decoding(engine.model, grammar, settings.ctx, send, self.finish, settings.speculation)
         self.blocks = BlockWriting(engine.model, settings.ctx, send, self.finish) if engine.model.diffusion else None
         # requests whose grammar finished compiling, to be admitted by the IO thread
         self.compiled: deque[tuple[bytes, Stream, Any]] = deque()
@@ -111,19 +113,18 @@ class Scheduler:
             return
         if request.grammar is not None:
             # compile off the IO thread; the IO thread admits it when done (admit_compiled)
-            future = self.grammar.compile_matcher(request.grammar)
-            future.add_done_callback(lambda done: self._on_compiled(gateway, stream, done))
+            self.grammar.compile_matcher(request.grammar).add_done_callback(
+                lambda done: self._on_compiled(gateway, stream, done))
             return
         self._route(gateway, stream)
 
     def _route(self, gateway: bytes, stream: Stream) -> None:
         """Queue a valid stream; one whose cartridges a fleet chooses goes to the engine thread
         first, which embeds its message (a forward pass belongs on that thread)."""
-        if stream.retrieve:
-            self.retrieving.append((gateway, stream))
-            self.wakeup.set()
-            return
-        self._enqueue(gateway, stream)
+        if not stream.retrieve:
+            return self._enqueue(gateway, stream)
+        self.retrieving.append((gateway, stream))
+        self.wakeup.set()
 
     def _on_compiled(self, gateway: bytes, stream: Stream, future) -> None:
         self.compiled.append((gateway, stream, future))
@@ -292,7 +293,8 @@ class Scheduler:
         # a prompt being scored needs the logits of all its rows: it goes through a pass of its own
         scored = [(s, toks) for s, toks in batch if s.scores is not None and s.pending]
         plain = [(s, toks) for s, toks in batch if not (s.scores is not None and s.pending)]
-        by_stream = dict(zip((id(s) for s, _ in plain), passes.forward(self.engine.model, plain, failed) if plain else []))
+        tails = {id(s): len(toks) for s, toks in plain if not s.pending and len(toks) > 1}  # drafts to verify
+        by_stream = dict(zip((id(s) for s, _ in plain), passes.forward(self.engine.model, plain, failed, tails) if plain else []))
         for stream, tokens in scored:
             by_stream[id(stream)] = passes.score(self.engine.model, stream, tokens, failed)
         denoised = self.blocks.denoise(denoising) if denoising else []
@@ -344,6 +346,4 @@ class Scheduler:
             self.pool.release(stream.slot)
             if self.spiller is not None and reason != FinishReason.ERROR:
                 self.spiller.spill_logged(stream.slot.cache, stream.slot.namespace, stream.request.request_id)
-        self.send(stream.gateway, Finished(
-            stream.request.request_id, reason, len(stream.request.prompt), stream.cached,
-            stream.completion, error))
+        self.send(stream.gateway, stream.finished(reason, error))

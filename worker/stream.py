@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from shared.errors import InvalidRequestError
-from shared.protocol import FinishReason, Generate, Message, PromptLogprob
+from shared.protocol import Finished, FinishReason, Generate, Message, PromptLogprob
 from shared.sampling_params import SamplingParams
 from worker.cartridges.cartridge import Cartridge
 from worker.cartridges.choice import CartridgeChoice
@@ -24,6 +24,7 @@ from worker.engine.sampling import Sampler
 from worker.kv_slots import Slot
 from worker.scoring import MAX_PROMPT_ALTERNATIVES
 from worker.scripted import ScriptedReplies
+from worker.speculation import StreamSpeculation
 
 Send = Callable[[bytes, Message], None]  # a message to a gateway (thread-safe; the server's)
 
@@ -51,6 +52,7 @@ class Stream:
     # on a text-diffusion model: the block being denoised (None while a prompt or block is read)
     writer: CanvasWriter | None = None
     rng: np.random.Generator | None = None  # a text-diffusion stream's canvases and draws
+    spec: StreamSpeculation | None = None  # its speculative decoding, once it decodes with drafts
 
     @property
     def prefix(self) -> int:
@@ -71,6 +73,11 @@ class Stream:
         """Tokens its slot holds for it (of ``cached``), once a slot without its cartridge has
         been given the cartridge."""
         return cached if self.cartridge is None else self.cartridge.under(self.slot.cache, cached)
+
+    def finished(self, reason: FinishReason, error: str | None) -> Finished:
+        spec = self.spec
+        return Finished(self.request.request_id, reason, len(self.request.prompt), self.cached, self.completion,
+                        error, spec.drafted if spec else 0, spec.accepted if spec else 0)
 
     def end_reason(self, stopped: bool, ctx: int) -> FinishReason | None:
         """Why the reply is over (it stopped, reached max_tokens or filled the context), or None."""

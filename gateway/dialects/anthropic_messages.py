@@ -51,6 +51,7 @@ from gateway.neutral import (
 from gateway.prompting import ModelView
 from gateway.request_fields import (
     cartridges_field,
+    speculation_field,
     check_type,
     field,
     last_user_index,
@@ -64,6 +65,7 @@ from shared.sampling_params import SamplingParams
 
 HONORED = {
     "cartridges",
+    "speculation",
     "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p",
     "top_k", "tools", "tool_choice", "thinking", "output_config", "output_format", "grammar",
 }
@@ -142,6 +144,7 @@ def _parse(body: dict[str, Any], view: ModelView, headers: Any, counting: bool) 
         stream=bool(field(body, "stream", bool, default=False)),
         cache_hint=headers.get("x-claude-code-session-id") if headers is not None else None,
         cartridges=cartridges_field(body),
+        speculate=speculation_field(body),
         grammar=grammar,
         tool_schemas_bind=True,
         echo=AnthropicEcho(display),

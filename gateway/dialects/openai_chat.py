@@ -41,6 +41,7 @@ from gateway.neutral import (
 from gateway.prompting import ModelView
 from gateway.request_fields import (
     cartridges_field,
+    speculation_field,
     check_type,
     field,
     last_user_index,
@@ -52,6 +53,7 @@ from shared.errors import InvalidRequestError, LmserveError
 
 HONORED = {
     "cartridges",
+    "speculation",
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
     "min_p", "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "logit_bias", "logprobs", "top_logprobs", "n", "stream", "stream_options", "reasoning_effort",
@@ -116,6 +118,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         ignore_eos=bool(field(body, "ignore_eos", bool, default=False)),
         cache_hint=field(body, "prompt_cache_key", str),
         cartridges=cartridges_field(body),
+        speculate=speculation_field(body),
         grammar=grammar,
         echo=ChatEcho(bool(field(stream_options, "include_usage", bool, "stream_options", default=False))),
     )

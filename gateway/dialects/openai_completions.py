@@ -44,11 +44,12 @@ from gateway.neutral import (
     usage_extras,
 )
 from gateway.prompting import ModelView
-from gateway.request_fields import cartridges_field, check_type, field, number_in, reject_unknown
+from gateway.request_fields import cartridges_field, speculation_field, check_type, field, number_in, reject_unknown
 from shared.errors import InvalidRequestError, LmserveError
 
 HONORED = {
     "cartridges",
+    "speculation",
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "n",
     "best_of", "stream", "stream_options", "echo", "suffix", "ignore_eos", "grammar",
@@ -96,6 +97,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         stream=bool(field(body, "stream", bool, default=False)),
         ignore_eos=bool(field(body, "ignore_eos", bool, default=False)),
         cartridges=cartridges_field(body),
+        speculate=speculation_field(body),
         grammar=grammar_extension(body),
         prompt_logprobs=(logprobs or 0) if echo and (logprobs is not None or scoring_only) else None,
         echo=CompletionsEcho(

@@ -70,6 +70,7 @@ from gateway.neutral import (
 from gateway.prompting import ModelView
 from gateway.request_fields import (
     cartridges_field,
+    speculation_field,
     check_type,
     field,
     last_user_index,
@@ -82,6 +83,7 @@ from shared.sampling_params import SamplingParams
 
 HONORED = {
     "cartridges",
+    "speculation",
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "top_logprobs",
     "reasoning", "text", "tools", "tool_choice", "parallel_tool_calls", "stream", "store", "include",
     "prompt_cache_key", "metadata", "truncation", "background", "grammar", "ignore_eos",
@@ -289,6 +291,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         ignore_eos=bool(field(body, "ignore_eos", bool, default=False)),
         cache_hint=cache_key,
         cartridges=cartridges_field(body),
+        speculate=speculation_field(body),
         grammar=grammar,
         tool_input_grammars=tools.input_grammars(),
         echo=ResponsesEcho(echo, tools.namespaced(), tools.custom_names()),

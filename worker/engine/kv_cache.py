@@ -180,6 +180,21 @@ class KVCache:
         elif not self.rewindable:
             self.recurrent.clear()
 
+    def rewind(self, length: int, states: dict[int, list[np.ndarray]] | None) -> None:
+        """Go back to the first ``length`` tokens after a pass that read more (drafts that did not
+        stand). Recurrent states cannot be cut back: ``states`` are those held at ``length``,
+        kept before the pass (``checkpoint``), and the caller reads again what it keeps after."""
+        if self.rewindable:
+            self.truncate(length)
+            return
+        self.recurrent = states if states is not None else {}
+        self.length = length
+        if self.spilled is not None:
+            self.spilled = min(self.spilled, length)
+        for held in [at for at in self.snapshots if at > length]:
+            del self.snapshots[held]
+        del self.tokens[length:]
+
     def truncate(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens (they stay valid). Where the
         cache cannot continue from there (recurrent states, released windows), it keeps nothing."""

@@ -521,12 +521,16 @@ class DecoderModel:
         return [tables[t] for t in self.layer_rope]
 
     def forward(self, steps: list[tuple[KVCache, list[int]]], all_logits: bool = False,
-                hidden: bool = False) -> list[np.ndarray]:
+                hidden: bool = False, tails: list[int] | None = None,
+                hidden_out: list[np.ndarray] | None = None) -> list[np.ndarray]:
         """Feed each sequence its new tokens in one weight pass; return logits per sequence.
 
         Logits are [n_vocab] for a sequence's last new token, or [T_s, n_vocab] for all of its
-        new tokens with ``all_logits``. With ``hidden``, the final RMSNorm's output [n_embd]
-        stands in for the logits (what a fleet's index embeds). Each cache grows by its tokens.
+        new tokens with ``all_logits``, or [tails[s], n_vocab] for its last ``tails[s]`` where
+        that is above 1 (a speculating stream's verified rows). With ``hidden``, the final
+        RMSNorm's output [n_embd] stands in for the logits (what a fleet's index embeds). A
+        ``hidden_out`` list gets, per sequence, that output for every one of its new tokens
+        [T_s, n_embd] (what a multi-token-prediction draft reads). Each cache grows by its tokens.
         """
         spans, positions, token_ids = [], [], []
         row = 0
@@ -550,11 +554,17 @@ class DecoderModel:
             x = self.block(i, x, fp)
         for cache, tokens in steps:
             cache.commit(tokens)
-        rows = np.arange(row) if all_logits else np.array([end - 1 for _, end in spans])
-        logits = ops.rms_norm(x[rows], self.output_norm, self.hp.rms_eps) if hidden else self.logits(x[rows])
+        if hidden_out is not None:
+            normed = ops.rms_norm(x, self.output_norm, self.hp.rms_eps)
+            hidden_out.extend(normed[start:end] for start, end in spans)
         if all_logits:
-            return [logits[start:end] for start, end in spans]
-        return list(logits)
+            tails = [end - start for start, end in spans]
+        tails = tails or [1] * len(spans)
+        rows = np.concatenate([np.arange(end - tail, end) for (_, end), tail in zip(spans, tails)])
+        logits = ops.rms_norm(x[rows], self.output_norm, self.hp.rms_eps) if hidden else self.logits(x[rows])
+        ends = np.cumsum(tails)
+        return [logits[end - tail:end] if all_logits or tail > 1 else logits[end - 1]
+                for end, tail in zip(ends, tails)]
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         # rows contiguous again: each sequence's logits are read as one vector

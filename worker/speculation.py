@@ -1,0 +1,158 @@
+"""Speculative decoding: drafted tokens verified in one weight pass, without changing a token.
+
+A decoding stream feeds the model, after the token it sampled last, up to ``--spec-max`` drafted
+tokens, and the pass returns the logits of every row fed. Row 0 is sampled as it would be
+without speculation: the same sampler, penalties, grammar mask and random draw. While the token
+sampled from row i is draft i, row i+1 (whose logits were computed after draft i) is sampled
+too; the first token that differs, or the row after the last draft, ends the run. The cache then
+forgets the drafts after the last accepted one.
+
+Every draft here is deterministic: a lookup in what the stream has read and written
+(``ngram``), or a draft model's most likely token (``draft``, ``mtp``). For a draft q that puts
+all its mass on one token d, the speculative-sampling rule (accept d with probability
+min(1, p(d)/q(d)), else draw from the residual max(0, p − q) renormalised) is exactly "draw from p;
+the draft stands if the draw is d". So a reply is the one decoding without speculation writes,
+token for token, at any temperature and seed: the kernels are batch-invariant, so row i's logits
+are those a one-token pass would give, and one random draw is spent per token emitted, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+NGRAM, DRAFT = "ngram", "draft"
+KINDS = (NGRAM, DRAFT)  # the drafters this worker has
+NGRAM_SIZES = (4, 3, 2)  # suffix lengths looked up, longest first: a longer match drafts better
+DRAFT_CHUNK = 256  # tokens a draft model reads per pass while it catches up with a stream
+
+
+class Drafter(Protocol):
+    """One stream's source of drafts: told every token the stream reads and writes (``extend``),
+    asked for at most ``limit`` tokens to follow them (``propose``)."""
+
+    def extend(self, tokens: Iterable[int]) -> None: ...
+
+    def propose(self, limit: int) -> list[int]: ...
+
+
+@dataclass
+class SpeculationSettings:
+    kinds: tuple[str, ...] = (NGRAM,)  # what drafts, in order of preference; () is off
+    max_draft: int = 8  # drafted tokens per pass at most (--spec-max)
+    draft_engine: Any = None  # DRAFT: the draft model's Engine (worker/engine), of the same vocabulary
+
+    @property
+    def on(self) -> bool:
+        return bool(self.kinds) and self.max_draft > 0
+
+    def drafter(self, tokens: list[int]) -> "Drafter":
+        """A new stream's drafter, seeded with what it has read and written so far: the kinds
+        asked for, each asked in turn until one drafts."""
+        made = [NgramIndex(tokens) if kind == NGRAM else DraftModel(self.draft_engine, tokens) for kind in self.kinds]
+        return made[0] if len(made) == 1 else Combined(made, list(self.kinds))
+
+
+class NgramIndex:
+    """Where each short run of a stream's tokens last stood, to draft what followed it then.
+
+    For every n of NGRAM_SIZES it maps the n tokens before position p to p, for the latest p
+    that has a token after it; ``propose`` looks up the stream's last n tokens, longest n
+    first, and drafts the tokens that followed their latest earlier occurrence."""
+
+    def __init__(self, tokens: Iterable[int] = ()):
+        self.tokens: list[int] = []
+        self.after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAM_SIZES}
+        self.extend(tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        history = self.tokens
+        for token in tokens:
+            at = len(history)  # the new token's position: it follows the runs that end before it
+            for n, table in self.after.items():
+                if at >= n:
+                    table[tuple(history[at - n:at])] = at
+            history.append(token)
+
+    def propose(self, limit: int) -> list[int]:
+        history = self.tokens
+        for n, table in self.after.items():
+            if len(history) < n:
+                continue
+            start = table.get(tuple(history[-n:]))
+            if start is not None:
+                return history[start:start + limit]
+        return []
+
+
+class DraftModel:
+    """Drafts from a small model of the same vocabulary, its most likely token each time (so a
+    draft is deterministic). It keeps a cache of its own per stream, cut back to what the stream
+    has kept and caught up before it drafts; one weight pass of the small model per token drafted."""
+
+    def __init__(self, engine: Any, tokens: Iterable[int] = ()):
+        self.engine = engine
+        self.tokens: list[int] = list(tokens)
+        self.cache = engine.new_cache(len(self.tokens) + DRAFT_CHUNK)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def propose(self, limit: int) -> list[int]:
+        cache, model = self.cache, self.engine.model
+        cache.truncate(cache.common_prefix(self.tokens[:-1]))  # the last token is read with the first draft
+        behind = self.tokens[cache.length:]
+        for start in range(0, len(behind) - 1, DRAFT_CHUNK):
+            model.forward([(cache, behind[start:min(start + DRAFT_CHUNK, len(behind) - 1)])])
+        feed, drafts = [self.tokens[-1]], []
+        while len(drafts) < limit:
+            logits = model.forward([(cache, feed)])[0]
+            feed = [int(logits.argmax())]
+            drafts += feed
+        return drafts
+
+
+class Combined:
+    """Several drafters in order of preference: the first that drafts anything is used."""
+
+    def __init__(self, drafters: list[Drafter], kinds: list[str]):
+        self.drafters, self.kinds = drafters, kinds
+        self.kind = kinds[0]  # which drafted last, for the metrics
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        tokens = list(tokens)
+        for drafter in self.drafters:
+            drafter.extend(tokens)
+
+    def propose(self, limit: int) -> list[int]:
+        for drafter, kind in zip(self.drafters, self.kinds):
+            drafts = drafter.propose(limit)
+            if drafts:
+                self.kind = kind
+                return drafts
+        return []
+
+
+@dataclass
+class StreamSpeculation:
+    """A stream's speculation: its drafter's state, what the pass in flight drafted, its counts."""
+
+    index: Drafter
+    kind: str = NGRAM
+    drafts: list[int] = field(default_factory=list)  # fed after next_token in the pass in flight
+    # a cache that cannot rewind (recurrent states): its length and states before the pass
+    checkpoint: tuple[int, object] | None = None
+    drafted: int = 0
+    accepted: int = 0
+    recent_miss: int = 0  # passes in a row whose first draft was refused
+
+    def count(self, drafted: int, stood: int) -> None:
+        self.drafted += drafted
+        self.accepted += stood
+        self.recent_miss = self.recent_miss + 1 if drafted and not stood else 0
+
+    def limit(self, most: int) -> int:
+        """Drafts to try now: the full count while drafts land, fewer after misses (a row costs
+        compute; a stream that never repeats itself should pay little for trying)."""
+        return max(1, most >> min(self.recent_miss, 3))
