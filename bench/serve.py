@@ -110,6 +110,7 @@ from bench.workload import (
     Workload,
     edit_source,
 )
+from worker.speculation import SpeculationSettings
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -158,8 +159,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--speculation", action="store_true",
                    help="only the speculative-decoding comparison: the edit and free-prose replies on lmserve "
                         "--spec off / ngram and llama-server without / with n-gram speculation")
-    p.add_argument("--spec-max", type=int, default=8, metavar="N",
-                   help="with --speculation: lmserve's --spec-max (default 8)")
+    p.add_argument("--spec-max", type=int, default=SpeculationSettings.max_draft, metavar="N",
+                   help=f"with --speculation: lmserve's --spec-max (default {SpeculationSettings.max_draft})")
     p.add_argument("--peer-spec", default=" ".join(PEER_NGRAM), metavar="FLAGS",
                    help=f"with --speculation: llama-server's n-gram speculation flags (default "
                         f"'{' '.join(PEER_NGRAM)}', the best of a trial on the edit reply)")

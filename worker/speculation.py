@@ -40,7 +40,7 @@ class Drafter(Protocol):
 @dataclass
 class SpeculationSettings:
     kinds: tuple[str, ...] = (NGRAM,)  # what drafts, in order of preference; () is off
-    max_draft: int = 8  # drafted tokens per pass at most (--spec-max)
+    max_draft: int = 16  # drafted tokens per pass at most (--spec-max)
     draft_engine: Any = None  # DRAFT: the draft model's Engine (worker/engine), of the same vocabulary
 
     @property
