@@ -63,10 +63,11 @@ class Outbox:
 
 
 def run(engine: Engine, requests: list[Generate], speculation: SpeculationSettings, batch: int = 1,
-        grammar=None) -> Outbox:
+        grammar=None, spiller=None, **settings) -> Outbox:
     outbox = Outbox()
-    settings = SchedulerSettings(ctx=256, queue=len(requests), batch=batch, kv_slots=batch, speculation=speculation)
-    scheduler = Scheduler(engine, settings, outbox, grammar=grammar)
+    settings = SchedulerSettings(**{"ctx": 256, "queue": len(requests), "batch": batch, "kv_slots": batch,
+                                    "speculation": speculation, **settings})
+    scheduler = Scheduler(engine, settings, outbox, spiller, grammar=grammar)
     for request in requests:
         scheduler.submit(b"gw", request)
     deadline = time.monotonic() + 120
@@ -110,7 +111,7 @@ class Oracle:
 
     def __init__(self, tokens):
         self.tokens = list(tokens)
-        self.prompt = next(p for p in self.truth if tuple(self.tokens[:len(p)]) == p)
+        self.prompt = max((p for p in self.truth if tuple(self.tokens[:len(p)]) == p), key=len)
         self.calls = 0
 
     def extend(self, tokens):
@@ -306,3 +307,50 @@ def test_the_command_line_says_what_speculation_needs():
         speculation_settings(parse(["--spec", "draft"]))
     with pytest.raises(LmserveError, match="drafts with ngram, draft"):
         speculation_settings(parse(["--spec", "ngram,lookahead"]))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen35"])
+def test_behind_a_cartridge_and_through_the_kvstore_replies_are_unchanged(tmp_path_factory, oracle, name):
+    """A conversation served behind a cartridge (where the family serves one), its KV spilled to
+    a kvstore as it goes, and its next turn restored from there by a fresh scheduler: with
+    speculation, every reply is the one written without (qwen35's recurrent states are spilled
+    at chunk ends, drafts or not), and drafts stood."""
+    from kvstore.store import DirectoryStore
+    from worker.cartridges.cartridge import Cartridge, from_document, write
+    from worker.kv_spill import KVSpiller
+
+    engine = load_tiny(tmp_path_factory, name)
+    folder = tmp_path_factory.mktemp(f"spill-{name}")
+    cartridge = None  # a family with recurrent state serves no cartridge
+    if engine.new_cache(1).rewindable:
+        cache, tokens = from_document(engine, "The mill by the river grinds wheat every morning.", 12)
+        write(folder / "doc.safetensors", engine, cache, tokens, "test document")
+        cartridge = Cartridge.load(folder / "doc.safetensors", engine)
+    first_prompt = looping_prompts(engine.model.hp.n_vocab, 1)[0]
+
+    def conversation(settings: SpeculationSettings, store_dir) -> list[list[int]]:
+        replies, prompt = [], list(first_prompt)
+        for turn in range(2):
+            spiller = KVSpiller(DirectoryStore(store_dir, 1 << 28), engine.fingerprint, 16)
+            request = Generate(f"t{turn}", prompt, SamplingParams(temperature=0.0), 24, stop_ids=[])
+            outbox = run(engine, [request], settings, spiller=spiller, cartridge=cartridge)
+            reply = outbox.replies()[f"t{turn}"]
+            if turn:  # the first turn's chunks came back from the kvstore
+                assert outbox.finished()[f"t{turn}"].cached_tokens >= 16
+            spiller.flush()
+            spiller.close()
+            replies.append(reply)
+            prompt = prompt + reply + first_prompt[:5]  # the next turn holds this one
+        return replies
+
+    plain = conversation(OFF, folder / "off")
+    for turn, reply in enumerate(plain):  # the oracle drafts each turn's true reply
+        prompt = list(first_prompt)
+        for earlier in plain[:turn]:
+            prompt = prompt + earlier + first_prompt[:5]
+        oracle[tuple(prompt)] = reply
+    finished_before = REGISTRY.get_sample_value("lmserve_worker_speculative_tokens_total",
+                                                {"kind": "ngram", "event": "accepted"}) or 0.0
+    assert conversation(SPEC, folder / "on") == plain
+    assert (REGISTRY.get_sample_value("lmserve_worker_speculative_tokens_total",
+                                      {"kind": "ngram", "event": "accepted"}) or 0.0) > finished_before
