@@ -6,6 +6,7 @@ the client's other requests complete, and no exception escapes its tasks."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import msgpack
@@ -97,6 +98,29 @@ async def _collect(client: WorkerClient, request: Generate) -> list:
     return [message async for message in client.generate(request)]
 
 
+@contextlib.asynccontextmanager
+async def greeted():
+    """A started client and the fake worker it has said HELLO to; both closed at the end."""
+    worker = FakeWorker()
+    client = WorkerClient(worker.endpoint, heartbeat_interval=0.2, heartbeat_timeout=30)
+    await client.start()
+    try:
+        await worker.next_message((Hello,))
+        yield worker, client
+    finally:
+        await client.close()
+        worker.close()
+
+
+async def refusal(client: WorkerClient) -> str:
+    """The reason the client gives for not taking the worker's card, once it has one."""
+    async with asyncio.timeout(10):
+        while client.version_error is None:
+            await asyncio.sleep(0.02)
+    assert not client.ready
+    return client.version_error
+
+
 def test_malformed_replies_are_dropped_and_the_requests_they_name_fail_alone(caplog):
     async def scenario():
         escaped = []
@@ -108,10 +132,7 @@ def test_malformed_replies_are_dropped_and_the_requests_they_name_fail_alone(cap
             await worker.next_message((Hello,))
             # a card that does not parse: dropped, and /health's error says why the client is not ready
             await worker.send([b"C", packed({**CARD.body(), "tokenizer": []})])
-            async with asyncio.timeout(10):
-                while client.version_error is None:
-                    await asyncio.sleep(0.02)
-            assert not client.ready and "does not parse" in client.version_error
+            assert "does not parse" in await refusal(client)
             await worker.next_message((Hello,))  # the client asks again
             await worker.send(CARD.frames())
             await client.wait_ready(10)
@@ -173,11 +194,7 @@ def test_a_non_map_body_of_any_type_leaves_the_client_serving(kind, caplog):
     """The same for one type at a time, and with the card not yet taken: the client says HELLO
     again and takes the next, good card."""
     async def scenario():
-        worker = FakeWorker()
-        client = WorkerClient(worker.endpoint, heartbeat_interval=0.2, heartbeat_timeout=30)
-        await client.start()
-        try:
-            await worker.next_message((Hello,))
+        async with greeted() as (worker, client):
             await worker.send([kind, packed(["not", "a", "map"])])
             await worker.send([kind, packed({"request_id": ["x"], "version": "x", "sent_at": "x"})])
             await worker.next_message((Hello,))
@@ -188,9 +205,6 @@ def test_a_non_map_body_of_any_type_leaves_the_client_serving(kind, caplog):
             await worker.send(Accepted("r").frames())
             await worker.send(Finished("r", FinishReason.LENGTH, 1, 0, 0).frames())
             return await asyncio.wait_for(task, 10)
-        finally:
-            await client.close()
-            worker.close()
 
     with caplog.at_level(logging.WARNING, logger="lmserve.gateway"):
         replies = run(scenario())
@@ -198,24 +212,14 @@ def test_a_non_map_body_of_any_type_leaves_the_client_serving(kind, caplog):
     assert sum("dropping a malformed message" in r.getMessage() for r in caplog.records) == 2
 
 
-def test_a_card_naming_a_convention_this_gateway_does_not_know_is_refused_with_its_name(caplog):
+def test_a_card_naming_a_convention_this_gateway_does_not_know_is_refused_with_its_name():
     """A worker of a newer release (or with a plug-in the gateway lacks) names a convention the
     gateway cannot read replies of: the client is not ready, and /health's error names it."""
     async def scenario():
-        worker = FakeWorker()
-        client = WorkerClient(worker.endpoint, heartbeat_interval=0.2, heartbeat_timeout=30)
-        await client.start()
-        try:
-            await worker.next_message((Hello,))
+        async with greeted() as (worker, client):
             body = CARD.body()
             body["capabilities"] = {**body["capabilities"], "convention": "smoke_signals"}
             await worker.send([b"C", packed(body)])
-            async with asyncio.timeout(10):
-                while client.version_error is None:
-                    await asyncio.sleep(0.02)
-            assert not client.ready and "smoke_signals" in client.version_error
-        finally:
-            await client.close()
-            worker.close()
+            assert "smoke_signals" in await refusal(client)
 
     run(scenario())
