@@ -18,7 +18,7 @@ from shared.protocol import FinishReason, Tokens, TopLogprob
 from worker import metrics
 from worker.engine.model import DecoderModel
 from worker.grammar import GrammarEngine, error_text
-from worker.speculation import SpeculationSettings, StreamSpeculation
+from worker.speculation import Drafter, SpeculationSettings, StreamSpeculation
 from worker.stream import Finish, Send, Stream
 
 SLOW_MASKS = 1.0  # seconds: a step whose grammar masks take longer is logged with its streams
@@ -56,12 +56,21 @@ class Decoding:
         return [stream.next_token, *drafts]
 
     def speculation_of(self, stream: Stream) -> StreamSpeculation | None:
-        """A stream's speculation, begun at its first decoding step; None where it does not
-        speculate (off here, or in its request)."""
+        """A stream's speculation, begun at its first pass; None where it does not speculate
+        (off here, or in its request)."""
         if stream.spec is None and self.speculation is not None and stream.request.speculate:
-            stream.spec = StreamSpeculation(self.speculation.drafter([*stream.request.prompt, stream.next_token]),
-                                            self.speculation.kinds[0])
+            read = [*stream.request.prompt, *([] if stream.next_token is None else [stream.next_token])]
+            stream.spec = StreamSpeculation(self.speculation.drafter(read, stream.slot.cache), self.speculation.kinds[0])
         return stream.spec
+
+    def passing(self, batch: list[tuple[Stream, list[int]]]) -> tuple[dict[int, int], dict[int, Drafter]]:
+        """What a pass over the batch must give back besides each stream's last logits: the rows
+        of the streams verifying drafts (how many), and the final states of the streams whose
+        drafters read them (to whom)."""
+        tails = {id(s): len(toks) for s, toks in batch if not s.pending and len(toks) > 1}
+        readers = {id(s): spec.index for s, _ in batch
+                   if (spec := self.speculation_of(s)) is not None and spec.index.reads_states}
+        return tails, readers
 
     # --- what it gets back --------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from kvstore.store import open_store
@@ -25,7 +26,7 @@ from worker.flags import build_parser, check_worker_flags, metrics_host, model_a
 from worker.kv_spill import KVSpiller
 from worker.scheduler import SchedulerSettings, resident_slot_count
 from worker.scripted import ScriptedReplies
-from worker.speculation import DRAFT, KINDS, SpeculationSettings
+from worker.speculation import DRAFT, KINDS, MTP, SpeculationSettings
 from shared.wire_security import ServerKeys, is_loopback_endpoint
 from worker.server import WorkerServer, WorkerSettings
 
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                                         prefill_chunk=args.prefill_chunk, threads=threads,
                                         scripted_replies=scripted, cartridge=cartridge,
                                         library=library, fleet=fleet,
-                                        speculation=with_draft_model(speculation, args.draft, engine, log))))
+                                        speculation=with_drafters(speculation, args.draft, engine, log))))
     except LmserveError as exc:
         print(f"lmserve worker: {exc.message}", file=sys.stderr)
         return 2
@@ -237,9 +238,15 @@ def speculation_settings(args) -> SpeculationSettings:
     return SpeculationSettings(kinds, args.spec_max)
 
 
-def with_draft_model(settings: SpeculationSettings, draft: str | None, engine: Engine, log) -> SpeculationSettings:
-    """The settings with the draft model loaded, where one drafts; it must share the target's
-    vocabulary, token for token."""
+def with_drafters(settings: SpeculationSettings, draft: str | None, engine: Engine, log) -> SpeculationSettings:
+    """The settings with what drafts loaded: the draft model, which must share the target's
+    vocabulary token for token; the served model's MTP block, which it must have."""
+    if MTP in settings.kinds:
+        if not getattr(engine.model, "mtp_layers", 0):
+            raise LmserveError(f"--spec mtp: {engine.model_id} ({engine.architecture}) has no multi-token-prediction "
+                               "layers (nextn_predict_layers): choose ngram or draft")
+        log.info("the model's MTP block drafts for speculative decoding")
+        settings = replace(settings, model=engine.model)
     if DRAFT not in settings.kinds:
         return settings
     from shared.default_model import resolve_model
@@ -254,7 +261,7 @@ def with_draft_model(settings: SpeculationSettings, draft: str | None, engine: E
     drafting.warm_up()
     log.info("draft model %s (%s, %.0f MB of weights) drafts for speculative decoding", drafting.model_id,
              drafting.architecture, drafting.model.weight_bytes / 1e6)
-    return SpeculationSettings(settings.kinds, settings.max_draft, drafting)
+    return replace(settings, draft_engine=drafting)
 
 
 def _read_template(path: str | None) -> str | None:

@@ -11,6 +11,7 @@ import numpy as np
 
 from worker.engine.model import DecoderModel
 from worker.scoring import score_rows
+from worker.speculation import Drafter
 from worker.stream import Stream
 
 log = logging.getLogger("lmserve.worker")
@@ -45,20 +46,27 @@ def together_else_alone(items: Sequence[Item], stream_of: Callable[[Item], Strea
 
 
 def forward(model: DecoderModel, batch: list[tuple[Stream, list[int]]], fail: Fail,
-            tails: dict[int, int] | None = None) -> list[np.ndarray | None]:
+            tails: dict[int, int] | None = None, readers: dict[int, Drafter] | None = None) -> list[np.ndarray | None]:
     """One weight pass for the batch, each stream's tokens appended to its cache; per stream the
     last row's logits, or its last ``tails[id(stream)]`` rows' where that is given (a stream
-    verifying drafts). Retried stream by stream from the caches' checkpoints."""
+    verifying drafts), and the final states of its rows to ``readers[id(stream)]`` where that
+    is given (a drafter that reads them). Retried stream by stream from the caches' checkpoints."""
     checkpoints = [s.slot.cache.checkpoint() for s, _ in batch] if len(batch) > 1 else []
-    tails = tails or {}
+    tails, readers = tails or {}, readers or {}
 
     def roll_back() -> None:
         for (stream, _), checkpoint in zip(batch, checkpoints):
             stream.slot.cache.roll_back(checkpoint)
 
     def run(items: Sequence[tuple[Stream, list[int]]]) -> list[np.ndarray]:
-        return model.forward([(s.slot.cache, toks) for s, toks in items],
-                             tails=[tails.get(id(s), 1) for s, _ in items])
+        starts = [s.slot.cache.length for s, _ in items]
+        states: list[np.ndarray] | None = [] if any(id(s) in readers for s, _ in items) else None
+        logits = model.forward([(s.slot.cache, toks) for s, toks in items],
+                               tails=[tails.get(id(s), 1) for s, _ in items], hidden_out=states)
+        for (stream, _), at, rows in zip(items, starts, states or ()):
+            if id(stream) in readers:
+                readers[id(stream)].took(at, rows)
+        return logits
 
     return together_else_alone(batch, lambda item: item[0], run, fail, roll_back)
 

@@ -1,16 +1,14 @@
 """Admission queue and the step loop: which streams run, one weight pass per step.
 
-Threads: the worker's IO thread calls ``submit`` / ``abort`` / ``abort_gateway``; the engine
-thread runs ``run``. They share only the waiting deque, the abort set and the stream table,
-under one lock. Outgoing messages go through ``send`` (thread-safe, provided by the server).
+Threads: the IO thread calls ``submit`` / ``abort`` / ``abort_gateway``, the engine thread ``run``; they share only
+the waiting deque, the abort set and the stream table, under one lock, and both send through the server's ``send``.
 
-A step feeds every running stream at once: decoding streams what ``worker/decoding.py`` gives
-them (their last sampled token), and at most ``prefill_chunk`` prompt tokens to streams still
-reading their prompt, so a long prompt never stalls the others for more than one chunk's time.
-With ``batch == 1`` this is the plain sequential server. Elsewhere: checking a request
-(``worker/stream.py``), its cartridges (``worker/cartridges/choice.py``), passes that fail one
-stream only (``worker/passes.py``), sampling and grammars (``worker/decoding.py``), text-diffusion
-blocks (``worker/block_writing.py``).
+A step feeds every running stream at once: decoding streams what ``worker/decoding.py`` gives them (their
+last sampled token), and at most ``prefill_chunk`` prompt tokens to streams still reading their prompt, so a
+long prompt never stalls the others for more than one chunk's time. With ``batch == 1`` this is the plain
+sequential server. Elsewhere: checking a request (``worker/stream.py``), its cartridges
+(``worker/cartridges/choice.py``), passes that fail one stream only (``worker/passes.py``), sampling and
+grammars (``worker/decoding.py``), text-diffusion blocks (``worker/block_writing.py``).
 """
 
 from __future__ import annotations
@@ -81,6 +79,7 @@ class Scheduler:
         # requests whose grammar finished compiling, to be admitted by the IO thread
         self.compiled: deque[tuple[bytes, Stream, Any]] = deque()
         self.wake_io: Callable[[], None] = lambda: None  # set by the server
+        self.between_steps: Callable[[], None] = lambda: None  # the server's engine-thread work (embeddings)
         self.pool = SlotPool(engine.model, settings.slot_count, settings.ctx)
         if spiller is not None:  # a slot's sliding layers keep what the kvstore has not taken yet
             for slot in self.pool.slots:
@@ -208,6 +207,7 @@ class Scheduler:
         kernels.set_threads(self.settings.threads)  # numba's thread count is per calling thread
         while not self.stopping:
             self.choose_cartridges()
+            self.between_steps()
             self.admit()
             if not self.running:
                 self.wakeup.wait(0.05)
@@ -293,8 +293,8 @@ class Scheduler:
         # a prompt being scored needs the logits of all its rows: it goes through a pass of its own
         scored = [(s, toks) for s, toks in batch if s.scores is not None and s.pending]
         plain = [(s, toks) for s, toks in batch if not (s.scores is not None and s.pending)]
-        tails = {id(s): len(toks) for s, toks in plain if not s.pending and len(toks) > 1}  # drafts to verify
-        by_stream = dict(zip((id(s) for s, _ in plain), passes.forward(self.engine.model, plain, failed, tails) if plain else []))
+        tails, readers = self.decoding.passing(plain)  # drafts to verify, drafters reading the states
+        by_stream = dict(zip((id(s) for s, _ in plain), passes.forward(self.engine.model, plain, failed, tails, readers) if plain else []))
         for stream, tokens in scored:
             by_stream[id(stream)] = passes.score(self.engine.model, stream, tokens, failed)
         denoised = self.blocks.denoise(denoising) if denoising else []

@@ -8,7 +8,8 @@ too; the first token that differs, or the row after the last draft, ends the run
 forgets the drafts after the last accepted one.
 
 Every draft here is deterministic: a lookup in what the stream has read and written
-(``ngram``), or a draft model's most likely token (``draft``, ``mtp``). For a draft q that puts
+(``ngram``), or the most likely token of a draft model (``draft``) or of the served model's own
+multi-token-prediction block (``mtp``). For a draft q that puts
 all its mass on one token d, the speculative-sampling rule (accept d with probability
 min(1, p(d)/q(d)), else draw from the residual max(0, p − q) renormalised) is exactly "draw from p;
 the draft stands if the draw is d". So a reply is the one decoding without speculation writes,
@@ -22,19 +23,26 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-NGRAM, DRAFT = "ngram", "draft"
-KINDS = (NGRAM, DRAFT)  # the drafters this worker has
+import numpy as np
+
+NGRAM, DRAFT, MTP = "ngram", "draft", "mtp"
+KINDS = (NGRAM, DRAFT, MTP)  # the drafters this worker has
 NGRAM_SIZES = (4, 3, 2)  # suffix lengths looked up, longest first: a longer match drafts better
 DRAFT_CHUNK = 256  # tokens a draft model reads per pass while it catches up with a stream
 
 
 class Drafter(Protocol):
     """One stream's source of drafts: told every token the stream reads and writes (``extend``),
-    asked for at most ``limit`` tokens to follow them (``propose``)."""
+    asked for at most ``limit`` tokens to follow them (``propose``). One that reads the model's
+    final states (``reads_states``) is given those of every pass of its stream (``took``)."""
+
+    reads_states: bool
 
     def extend(self, tokens: Iterable[int]) -> None: ...
 
     def propose(self, limit: int) -> list[int]: ...
+
+    def took(self, at: int, states: np.ndarray) -> None: ...
 
 
 @dataclass
@@ -42,19 +50,30 @@ class SpeculationSettings:
     kinds: tuple[str, ...] = (NGRAM,)  # what drafts, in order of preference; () is off
     max_draft: int = 16  # drafted tokens per pass at most (--spec-max)
     draft_engine: Any = None  # DRAFT: the draft model's Engine (worker/engine), of the same vocabulary
+    model: Any = None  # MTP: the served model, which holds the MTP block
 
     @property
     def on(self) -> bool:
         return bool(self.kinds) and self.max_draft > 0
 
-    def drafter(self, tokens: list[int]) -> "Drafter":
-        """A new stream's drafter, seeded with what it has read and written so far: the kinds
-        asked for, each asked in turn until one drafts."""
-        made = [NgramIndex(tokens) if kind == NGRAM else DraftModel(self.draft_engine, tokens) for kind in self.kinds]
+    def drafter(self, tokens: list[int], cache: Any) -> "Drafter":
+        """A new stream's drafter, seeded with what it has read so far (its prompt) and given
+        its cache: the kinds asked for, each asked in turn until one drafts."""
+        made = [NgramIndex(tokens) if kind == NGRAM else DraftModel(self.draft_engine, tokens, cache.max_tokens) if kind == DRAFT
+                else MtpDrafter(self.model, cache, tokens) for kind in self.kinds]
         return made[0] if len(made) == 1 else Combined(made, list(self.kinds))
 
 
-class NgramIndex:
+class Blind:
+    """A drafter that does not read the model's states."""
+
+    reads_states = False
+
+    def took(self, at: int, states: np.ndarray) -> None:
+        pass
+
+
+class NgramIndex(Blind):
     """Where each short run of a stream's tokens last stood, to draft what followed it then.
 
     For every n of NGRAM_SIZES it maps the n tokens before position p to p, for the latest p
@@ -86,15 +105,15 @@ class NgramIndex:
         return []
 
 
-class DraftModel:
+class DraftModel(Blind):
     """Drafts from a small model of the same vocabulary, its most likely token each time (so a
     draft is deterministic). It keeps a cache of its own per stream, cut back to what the stream
     has kept and caught up before it drafts; one weight pass of the small model per token drafted."""
 
-    def __init__(self, engine: Any, tokens: Iterable[int] = ()):
+    def __init__(self, engine: Any, tokens: Iterable[int], max_tokens: int):
         self.engine = engine
         self.tokens: list[int] = list(tokens)
-        self.cache = engine.new_cache(len(self.tokens) + DRAFT_CHUNK)
+        self.cache = engine.new_cache(max_tokens)  # as long as the stream's: it grows as it is written
 
     def extend(self, tokens: Iterable[int]) -> None:
         self.tokens.extend(tokens)
@@ -113,17 +132,83 @@ class DraftModel:
         return drafts
 
 
+class MtpDrafter:
+    """Drafts from the served model's multi-token-prediction block (Qwen3.5's ``nextn`` layers):
+    the block reads each token the stream keeps with the model's final state at the position
+    before it, in an MTP cache of its own, and drafts by chaining its most likely tokens
+    (``model.mtp_draft``).
+
+    The states come from the stream's own passes (``took``: the rows of one pass, of which the
+    stream keeps those its cache still holds at the next pass). Positions its passes did not
+    compute (a prefix reused from a slot, the kvstore or a cartridge, a prompt that was scored)
+    are read with zero states: their drafts are weaker, never wrong, as every draft is verified."""
+
+    reads_states = True
+
+    def __init__(self, model: Any, cache: Any, tokens: Iterable[int] = ()):
+        self.model, self.cache = model, cache  # the stream's cache: the tokens it holds
+        self.state = model.new_mtp_state(cache.max_tokens)
+        self.unread: tuple[int, np.ndarray] | None = None  # the last pass's first position and states
+        self.last: int | None = None  # the stream's newest token: drafts follow it
+        self.extend(tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for self.last in tokens:  # the others are read with their states (took) once the cache holds them
+            pass
+
+    def took(self, at: int, states: np.ndarray) -> None:
+        if self.unread is not None and self.unread[0] < at:
+            self.read(at)  # the pass before: what of it the stream kept lies before this one
+        self.unread = (at, states)  # the same pass run again (alone, after a batch failed) replaces it
+
+    def propose(self, limit: int) -> list[int]:
+        if self.last is None or limit <= 0:
+            return []
+        self.read()
+        self.catch_up(self.cache.length)
+        return self.model.mtp_draft(self.state, self.last, limit)
+
+    def read(self, end: int | None = None) -> None:
+        """The rows of the last pass that the stream kept (those its cache holds before ``end``,
+        where the next pass began), into the MTP cache."""
+        if self.unread is None:
+            return
+        (at, states), self.unread = self.unread, None
+        kept = min(len(states), (self.cache.length if end is None else end) - at)
+        if kept > 0:
+            self.catch_up(at)
+            self.model.mtp_accept(self.state, self.cache.tokens[at:at + kept], states[:kept])
+
+    def catch_up(self, upto: int) -> None:
+        """The MTP cache made to hold the stream's positions before ``upto``; the positions
+        without states read with zeros. (A stream's cache only loses drafts it never kept, so the
+        MTP cache, which reads only kept tokens, never holds what the stream's does not.)"""
+        mtp = self.state.cache
+        if mtp.length > upto:
+            mtp.truncate(upto)
+            self.state.last_hidden = np.zeros_like(self.state.last_hidden)
+        if mtp.length < upto:
+            n_vocab = self.model.hp.n_vocab
+            gap = [t if 0 <= t < n_vocab else 0 for t in self.cache.tokens[mtp.length:upto]]  # a cartridge's pseudo-ids as 0
+            self.model.mtp_accept(self.state, gap, np.zeros((len(gap), self.model.hp.n_embd), dtype=np.float32))
+
+
 class Combined:
     """Several drafters in order of preference: the first that drafts anything is used."""
 
     def __init__(self, drafters: list[Drafter], kinds: list[str]):
         self.drafters, self.kinds = drafters, kinds
         self.kind = kinds[0]  # which drafted last, for the metrics
+        self.reads_states = any(d.reads_states for d in drafters)
 
     def extend(self, tokens: Iterable[int]) -> None:
         tokens = list(tokens)
         for drafter in self.drafters:
             drafter.extend(tokens)
+
+    def took(self, at: int, states: np.ndarray) -> None:
+        for drafter in self.drafters:
+            drafter.took(at, states)
 
     def propose(self, limit: int) -> list[int]:
         for drafter, kind in zip(self.drafters, self.kinds):

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 from prometheus_client import REGISTRY
-from tiny_models import TINY_SPECS, write_tiny_gguf
+from tiny_models import MTP_FIXTURES, TINY_SPECS, write_tiny_gguf
 from tiny_nanochat import write_tiny_nanochat
 
 from shared.errors import LmserveError
@@ -20,7 +20,7 @@ from shared.protocol import Finished, Generate, Grammar, Tokens
 from shared.sampling_params import SamplingParams
 from worker.engine import Engine
 from worker.scheduler import Scheduler, SchedulerSettings
-from worker.speculation import NgramIndex, SpeculationSettings
+from worker.speculation import Blind, MtpDrafter, NgramIndex, SpeculationSettings
 
 SPEC = SpeculationSettings(max_draft=6)
 OFF = SpeculationSettings(kinds=())
@@ -102,7 +102,7 @@ def load_tiny(tmp_path_factory, name: str) -> Engine:
     return Engine.load(folder / f"{name}.gguf")
 
 
-class Oracle:
+class Oracle(Blind):
     """A drafter that knows the reply decoding without speculation wrote (``truth``, by prompt)
     and drafts it, wrong in one place every third time from the second: drafts stand, and drafts are refused, on
     any model, however little a tiny one repeats itself."""
@@ -284,11 +284,13 @@ def test_a_draft_model_drafts_without_changing_a_token(tmp_path_factory, tiny):
     folder = tmp_path_factory.mktemp("draft")
     write_tiny_gguf(folder / "other.gguf", "llama", seed=2)
     prompts = looping_prompts(tiny.model.hp.n_vocab, 2)
-    requests = [Generate(f"d{i}", p, SamplingParams(temperature=0.0), 24, stop_ids=[]) for i, p in enumerate(prompts)]
-    plain = run(tiny, requests, OFF, batch=2).replies()
+    # the second reply outgrows its prompt plus a draft-model chunk: the draft's cache grows with it
+    requests = [Generate(f"d{i}", p, SamplingParams(temperature=0.0), 24 + 300 * i, stop_ids=[])
+                for i, p in enumerate(prompts)]
+    plain = run(tiny, requests, OFF, batch=2, ctx=512).replies()
     for drafting, all_stand in ((tiny, True), (Engine.load(folder / "other.gguf"), False)):
         settings = SpeculationSettings(kinds=("draft",), max_draft=4, draft_engine=drafting)
-        spec = run(tiny, requests, settings, batch=2)
+        spec = run(tiny, requests, settings, batch=2, ctx=512)
         assert spec.replies() == plain
         finished = spec.finished().values()
         drafted, accepted = sum(f.drafted_tokens for f in finished), sum(f.accepted_tokens for f in finished)
@@ -305,8 +307,9 @@ def test_the_command_line_says_what_speculation_needs():
     assert speculation_settings(parse(["--draft", "small.gguf"])).kinds == ("ngram", "draft")
     with pytest.raises(LmserveError, match="--draft MODEL"):
         speculation_settings(parse(["--spec", "draft"]))
-    with pytest.raises(LmserveError, match="drafts with ngram, draft"):
+    with pytest.raises(LmserveError, match="drafts with ngram, draft, mtp"):
         speculation_settings(parse(["--spec", "ngram,lookahead"]))
+    assert speculation_settings(parse(["--spec", "mtp,ngram"])).kinds == ("mtp", "ngram")
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen35"])
@@ -354,3 +357,90 @@ def test_behind_a_cartridge_and_through_the_kvstore_replies_are_unchanged(tmp_pa
     assert conversation(SPEC, folder / "on") == plain
     assert (REGISTRY.get_sample_value("lmserve_worker_speculative_tokens_total",
                                       {"kind": "ngram", "event": "accepted"}) or 0.0) > finished_before
+
+
+@pytest.fixture(scope="module", params=sorted(MTP_FIXTURES))
+def with_mtp(request, tmp_path_factory) -> Engine:
+    arch, overrides = MTP_FIXTURES[request.param]
+    path = tmp_path_factory.mktemp("mtp") / f"{request.param}.gguf"
+    write_tiny_gguf(path, arch, seed=1, **overrides)
+    return Engine.load(path)
+
+
+def test_the_mtp_block_drafts_without_changing_a_token(with_mtp):
+    """--spec mtp on Qwen3.5-shaped files with an MTP block: greedy and seeded replies, alone
+    and in a batch, and a second turn over the first's resident cache (whose positions the
+    block reads without states), are decoding's own; the block drafted."""
+    engine = with_mtp
+    mtp = SpeculationSettings(kinds=("mtp",), max_draft=4, model=engine.model)
+    prompts = looping_prompts(engine.model.hp.n_vocab, 3)
+    requests = [Generate(f"m{i}", p, SamplingParams(temperature=0.0 if i % 2 == 0 else 0.9, seed=i), 20, stop_ids=[])
+                for i, p in enumerate(prompts)]
+    for batch in (1, 3):
+        plain, spec = run(engine, requests, OFF, batch=batch), run(engine, requests, mtp, batch=batch)
+        assert spec.replies() == plain.replies() and spec.logprobs() == plain.logprobs()
+        assert sum(f.drafted_tokens for f in spec.finished().values()) > 0
+    first = requests[0].prompt + run(engine, requests[:1], OFF).replies()["m0"]
+    turns = [requests[0], Generate("again", first + prompts[1][:4], SamplingParams(temperature=0.0), 20, stop_ids=[])]
+    plain, spec = run(engine, turns, OFF), run(engine, turns, mtp)
+    assert spec.finished()["again"].cached_tokens > 0, "the second turn reused the first's cache"
+    assert spec.replies() == plain.replies()
+
+
+def test_the_mtp_block_drafts_what_it_drafts_reading_the_whole_sequence(with_mtp, oracle, monkeypatch):
+    """What the block drafts in serving, after passes that kept drafts and passes that cut them
+    back, is what it drafts having read the stream's tokens with their states in one pass from
+    scratch: the states reach it from every pass, for the tokens kept, in order."""
+    engine, model = with_mtp, with_mtp.model
+    asked = []
+    propose = MtpDrafter.propose
+
+    def recorded(self, limit):
+        drafts = propose(self, limit)
+        asked.append((list(self.cache.tokens), self.last, limit, drafts))
+        return drafts
+
+    monkeypatch.setattr(MtpDrafter, "propose", recorded)
+    calls = Counter()
+
+    class Sometimes(Oracle):  # the oracle's drafts every other pass (they stand), the block's between
+        def propose(self, limit):
+            calls[id(self)] += 1
+            return super().propose(limit) if calls[id(self)] % 2 else []
+
+    monkeypatch.setattr("worker.speculation.NgramIndex", Sometimes)
+    prompts = looping_prompts(model.hp.n_vocab, 2)
+    requests = [Generate(f"w{i}", p, SamplingParams(temperature=0.0), 24, stop_ids=[]) for i, p in enumerate(prompts)]
+    for r in requests:
+        oracle[tuple(r.prompt)] = run(engine, [r], OFF).replies()[r.request_id]
+    spec = run(engine, requests, SpeculationSettings(kinds=("ngram", "mtp"), max_draft=4, model=model), batch=2)
+    assert spec.replies() == {r.request_id: oracle[tuple(r.prompt)] for r in requests}
+    assert sum(f.accepted_tokens for f in spec.finished().values()) > 0, "the oracle's drafts stood"
+    assert len(asked) >= 8
+    for held, last, limit, drafts in asked:
+        states: list[np.ndarray] = []
+        model.forward([(engine.new_cache(len(held) + 1), held)], hidden_out=states)
+        state = model.new_mtp_state(len(held) + limit + 1)
+        model.mtp_accept(state, held, states[0])
+        assert model.mtp_draft(state, last, limit) == drafts
+
+
+def test_a_worker_drafts_with_the_mtp_block_it_has_and_refuses_one_it_lacks(with_mtp, tiny, start_worker,
+                                                                             start_gateway):
+    """``lmserve worker --spec mtp``: over HTTP with the official SDK, a reply with the MTP
+    block drafting is the reply without; a model without MTP layers is refused at start."""
+    import logging
+
+    from openai import OpenAI
+
+    from worker.main import with_drafters
+
+    with pytest.raises(LmserveError, match="no multi-token-prediction layers"):
+        with_drafters(SpeculationSettings(kinds=("mtp",)), None, tiny, logging.getLogger("test"))
+    worker = start_worker(with_mtp.model.path, "--spec", "mtp", "--spec-max", "3", "--ctx", "256")
+    client = OpenAI(base_url=start_gateway(worker).url + "/v1", api_key="unused")
+    prompt = looping_prompts(with_mtp.model.hp.n_vocab, 1)[0]
+    replies = [client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0,
+                                         extra_body={"speculation": on}) for on in (True, False)]
+    assert replies[0].choices[0].text == replies[1].choices[0].text and replies[0].choices[0].text
+    assert replies[0].usage.model_extra["speculation"]["drafted_tokens"] > 0
