@@ -34,6 +34,8 @@ from gateway.neutral import (
 
 GATEWAY_HEADER = "x-lmserve-gateway"
 SCOPE_KEY = "lmserve.access"
+# the request state's name of the API key the caller held (gateway.edge sets it; "" for none)
+KEY_NAME = "api_key_name"
 # Probes arrive every few seconds from a proxy or orchestrator; logged only at debug level
 # unless they fail, so they do not drown the requests.
 PROBE_PATHS = {"/health", "/", "/api/hello"}
@@ -65,6 +67,7 @@ class AccessRecord:
     last_token_at: float | None = None
     placement: Placement | None = None  # the worker that took a model request, and why
     accepted: str | None = None  # speculative decoding: "stood/drafted" tokens of the reply
+    key: str | None = None  # the API key's name (gateway.api_keys), never the key
 
     def fields(self, gateway: str, ended: float) -> dict[str, Any]:
         def ms(at: float | None) -> float | None:
@@ -76,7 +79,8 @@ class AccessRecord:
                 "completion_tokens": self.completion_tokens, "finish": self.finish,
                 "ttft_ms": ms(self.first_token_at), "total_ms": ms(ended),
                 "worker": self.placement.worker if self.placement else None,
-                "route": self.placement.route if self.placement else None, "drafts_stood": self.accepted}
+                "route": self.placement.route if self.placement else None, "drafts_stood": self.accepted,
+                "key": self.key}
 
 
 def text_line(fields: dict[str, Any]) -> str:
@@ -88,7 +92,7 @@ def text_line(fields: dict[str, Any]) -> str:
         return str(value)
 
     keys = ("dialect", "stream", "prompt_tokens", "cached_tokens", "completion_tokens", "finish",
-            "ttft_ms", "total_ms", "worker", "route")
+            "ttft_ms", "total_ms", "worker", "route", "key")
     return f"{fields['method']} {fields['path']} {show(fields['status'])} " + " ".join(
         f"{key.removesuffix('_tokens')}={show(fields[key])}" for key in keys)
 
@@ -161,6 +165,7 @@ class AccessLogMiddleware:
                 record.status = 500
             raise
         finally:
+            record.key = scope.get("state", {}).get(KEY_NAME) or None
             self._write(record)
 
     def _write(self, record: AccessRecord) -> None:

@@ -9,30 +9,33 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import importlib.resources
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.staticfiles import StaticFiles
 
-from gateway import access_log, metrics, openapi, sse
+from gateway import access_log, embeddings, lmstudio_models, metrics, openapi, sse, tokenizing
 from gateway.access_log import AccessLogMiddleware
+from gateway.api_keys import KeyRing
 from gateway.dialects import anthropic_messages, openai_chat, openai_completions, openai_responses
 from gateway.edge import KEY_HELD, TENANT, EdgeMiddleware, EdgeSettings
 from gateway.errors import dialect_for_path, error_response
 from gateway.flags import MAX_BUFFERED, PING_INTERVAL
-from gateway.generation import Completion, generate, prepare
+from gateway.generation import Completion, ReplyLimits, generate, prepare
 from gateway.neutral import Event, NeutralRequest, Ping, Started
 from gateway.prompting import ModelView
-from gateway.request_fields import parse_json_object
+from gateway.request_fields import FieldTolerance, parse_json_object, tolerating
 from gateway.tool_calls import ToolPlan
 from gateway.worker_pool import WorkerPool
 from shared.errors import (
@@ -45,6 +48,7 @@ from shared.protocol import DEFAULT_ENDPOINT, HEARTBEAT_INTERVAL, HEARTBEAT_TIME
 from shared.wire_security import ClientKeys
 
 log = logging.getLogger("lmserve.gateway")
+Answer = TypeVar("Answer")
 
 
 @dataclass
@@ -54,11 +58,13 @@ class GatewaySettings:
     route_queue_tokens: int = 0  # 0: measured (gateway.worker_pool.QueueCost)
     edge: EdgeSettings = field(default_factory=EdgeSettings)
     ping_interval: float = PING_INTERVAL  # seconds of silence before an SSE keep-alive
+    limits: ReplyLimits = field(default_factory=ReplyLimits)  # --max-request-seconds, --max-output-tokens
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     heartbeat_timeout: float = HEARTBEAT_TIMEOUT
     max_buffered: int = MAX_BUFFERED  # unread replies per request before a slow reader is cut off
     drain_timeout: float = 30.0  # on shutdown, seconds in-flight replies get before they are cut
     docs: bool = True  # serve /openapi.json and /docs
+    strict_fields: bool = False  # an unknown request field is a 400, not ignored (--strict-fields)
     wire: ClientKeys | None = None  # CURVE keys of the wire to the workers (None: in the clear)
 
 
@@ -73,6 +79,7 @@ class Gateway:
         self._view: ModelView | None = None
         self.cut: asyncio.Event | None = None  # set when the drain timeout runs out (lifespan)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._toolless_models: set[str] = set()  # models already logged as having no tool convention
 
     async def start(self) -> None:
         """In the server's event loop: connect to the worker; the drain timer will run in this loop."""
@@ -93,6 +100,25 @@ class Gateway:
         delay = max(0.0, timeout - min(1.0, timeout / 10))
         loop.call_soon_threadsafe(loop.call_later, delay, cut.set)
 
+    async def read(self, request: Request, work: Callable[[dict[str, Any], ModelView], Answer]) -> Answer:
+        """``work`` done on the request's JSON body and the model, in a thread: parsing, rendering
+        and tokenizing a large body take seconds of CPU, and this gateway's other streams go on."""
+        raw = await request.body()
+        view = self.view()
+        tolerance = self.tolerance(request)
+
+        def tolerant_work() -> Answer:
+            with tolerating(tolerance):
+                return work(parse_json_object(raw), view)
+
+        return await asyncio.to_thread(tolerant_work)
+
+    def tolerance(self, request: Request) -> FieldTolerance:
+        """The request's rule for unknown fields, kept in its state for ``ignored_header``."""
+        tolerance = FieldTolerance(strict=self.settings.strict_fields, endpoint=request.url.path)
+        request.state.field_tolerance = tolerance
+        return tolerance
+
     def view(self) -> ModelView:
         card = self.workers.card
         if card is None:
@@ -102,21 +128,33 @@ class Gateway:
             self._view = ModelView.from_card(card)
         return self._view
 
+    def _log_toolless(self, model_id: str) -> None:
+        if model_id not in self._toolless_models:
+            self._toolless_models.add(model_id)
+            log.warning("a request sent tools, but the model %s has no tool-call convention: it calls no tool "
+                        "unless tool_choice forces one (said once; each such reply carries %s)", model_id,
+                        WARNING_HEADER)
+
     async def run(self, request: Request, dialect: ModuleType) -> Response:
         raw = await request.body()
         view = self.view()
         # JSON, the dialect's parse, the template and the tokenizer take a large body seconds of
         # CPU: in a thread, so this gateway's other streams, heartbeats and /health go on.
-        neutral, prepared = await asyncio.to_thread(_read_request, raw, dialect, view, request.headers)
+        neutral, prepared = await asyncio.to_thread(_read_request, raw, dialect, view, request.headers,
+                                                    self.tolerance(request))
         neutral.tenant = getattr(request.state, TENANT, "")
         events = access_log.observe(request.scope, neutral.stream,
                                     generate(view, self.workers, neutral, prepared, self.settings.ping_interval,
-                                             self.cut))
+                                             self.cut, self.settings.limits))
         first = await _first_started(events)
         # which cartridges (KV prefixes) the worker put before this conversation
         served = {CARTRIDGES_HEADER: ",".join(first.cartridges)} if first.cartridges else {}
         if first.placement is not None:
             served[WORKER_HEADER] = first.placement.worker
+        served.update(ignored_header(request))
+        if neutral.tools and view.tool_call_tags is None:
+            served[WARNING_HEADER] = NO_TOOL_CONVENTION
+            self._log_toolless(view.model_id)
         if neutral.stream:
             response = sse.streaming_response(_stream_body(dialect, neutral, view, first, events))
             response.headers.update(served)
@@ -131,13 +169,22 @@ class Gateway:
         finish = completion.finish
         if finish is None or finish.reason == "error":
             raise LmserveError(finish.error if finish and finish.error else "generation failed")
+        if finish.usage.truncated:  # a stream says it in its usage alone: its headers are long gone
+            served[TRUNCATED_HEADER] = finish.usage.truncated
         return JSONResponse(dialect.render(neutral, view, completion), headers=served)
 
 
-def _read_request(raw: bytes, dialect: ModuleType, view: ModelView, headers: Any
+def _read_request(raw: bytes, dialect: ModuleType, view: ModelView, headers: Any, tolerance: FieldTolerance
                   ) -> tuple[NeutralRequest, tuple[ToolPlan, list[int]]]:
-    neutral = dialect.parse(parse_json_object(raw), view, headers)
+    with tolerating(tolerance):
+        neutral = dialect.parse(parse_json_object(raw), view, headers)
     return neutral, prepare(view, neutral)
+
+
+def ignored_header(request: Request) -> dict[str, str]:
+    """``x-lmserve-ignored-fields``: the paths of the unknown fields the request's parse ignored."""
+    tolerance: FieldTolerance | None = getattr(request.state, "field_tolerance", None)
+    return {IGNORED_FIELDS_HEADER: ", ".join(tolerance.ignored)} if tolerance and tolerance.ignored else {}
 
 
 async def _first_started(events: AsyncIterator[Event]) -> Started:
@@ -205,6 +252,8 @@ def models_body(view: ModelView, created: int) -> dict[str, Any]:
              "type": "model", "display_name": model_id,
              "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
              "max_input_tokens": view.context_budget, "context_length": view.context_budget,
+             # what a request's unset sampling fields take: the model file's, the worker's flags over it
+             "sampling_defaults": view.card.sampling.given(),
              # what the model can be asked for beyond text (the playground reads these)
              "reasoning": view.has_reasoning_channel, "tool_calls": view.tool_call_tags is not None,
              # the KV prefixes a request may name (its "cartridges" field), the one served to
@@ -223,10 +272,19 @@ def package_version() -> str:
 
 
 VERSION = package_version()
-# /docs renders with Swagger UI from a CDN, at a fixed version (not whatever is newest)
-SWAGGER_UI = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5.17.14"
+# /docs renders with Swagger UI's scripts and styles as the fastapi-offline package ships them,
+# served by the gateway itself under DOCS_ASSETS (open like /docs, gateway.edge): from a CDN the
+# page would stay blank on a host with no way out.
+SWAGGER_UI = importlib.resources.files("fastapi_offline") / "static"
+DOCS_ASSETS = "/docs/assets"
 CARTRIDGES_HEADER = "x-lmserve-cartridges"
 WORKER_HEADER = "x-lmserve-worker"  # the worker (host:pid) that took the request
+IGNORED_FIELDS_HEADER = "x-lmserve-ignored-fields"  # unknown fields a request sent (gateway.request_fields)
+# on a reply to a request with tools when the model has no tool-call convention (gateway.tool_calls)
+WARNING_HEADER = "x-lmserve-warning"
+# on a whole reply a server limit cut: deadline (--max-request-seconds) or max_output_tokens
+TRUNCATED_HEADER = "x-lmserve-truncated"
+NO_TOOL_CONVENTION = "the served model has no tool-call convention; it calls no tool unless tool_choice forces one"
 # The playground (GET / from a browser): one static page that talks to the API like any client.
 PLAYGROUND = (Path(__file__).parent / "static" / "playground.html").read_text(encoding="utf-8")
 
@@ -289,11 +347,43 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        raw = await request.body()
-        view = gateway.view()
-        count = await asyncio.to_thread(
-            lambda: anthropic_messages.count_tokens(parse_json_object(raw), view, request.headers))
-        return JSONResponse({"input_tokens": count})
+        count = await gateway.read(
+            request, lambda body, view: anthropic_messages.count_tokens(body, view, request.headers))
+        return JSONResponse({"input_tokens": count}, headers=ignored_header(request))
+
+    @app.post("/v1/responses/input_tokens")
+    async def responses_input_tokens(request: Request) -> Response:
+        count = await gateway.read(
+            request, lambda body, view: openai_responses.input_tokens(body, view, request.headers))
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": count}, headers=ignored_header(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        tokens = await gateway.read(request, lambda body, view: tokenizing.tokenize(body, view, request.headers))
+        return JSONResponse(tokens, headers=ignored_header(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return JSONResponse(await gateway.read(request, tokenizing.detokenize), headers=ignored_header(request))
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(request: Request) -> Response:
+        asked = await gateway.read(request, embeddings.parse)
+        answer = await embeddings.embed(gateway.workers, asked.inputs)
+        return JSONResponse(await asyncio.to_thread(embeddings.render, asked, answer), headers=ignored_header(request))
+
+    # LM Studio's listing, which routers read for the loaded context and the model's quantization
+    @app.get("/api/v0/models")
+    async def lmstudio_models_v0() -> Response:
+        return JSONResponse(lmstudio_models.v0_list(gateway.view()))
+
+    @app.get("/api/v0/models/{model_id:path}")
+    async def lmstudio_model_v0(model_id: str) -> Response:
+        return JSONResponse(lmstudio_models.v0_entry(gateway.view(), model_id))
+
+    @app.get("/api/v1/models")
+    async def lmstudio_models_v1() -> Response:
+        return JSONResponse(lmstudio_models.v1_list(gateway.view()))
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -326,13 +416,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     if settings.docs:
         @app.get("/openapi.json")
         async def openapi_document() -> Response:
-            return JSONResponse(openapi.document(VERSION))
+            return JSONResponse(openapi.document(VERSION, strict_fields=settings.strict_fields))
 
         @app.get("/docs")
         async def openapi_page() -> Response:
+            # no validator badge either: Swagger UI would fetch it from validator.swagger.io
             return get_swagger_ui_html(openapi_url="/openapi.json", title="lmserve API",
-                                       swagger_js_url=SWAGGER_UI + "/swagger-ui-bundle.js",
-                                       swagger_css_url=SWAGGER_UI + "/swagger-ui.css")
+                                       swagger_js_url=DOCS_ASSETS + "/swagger-ui-bundle.js",
+                                       swagger_css_url=DOCS_ASSETS + "/swagger-ui.css",
+                                       swagger_favicon_url=DOCS_ASSETS + "/favicon.png",
+                                       swagger_ui_parameters={"validatorUrl": None})
+
+        app.mount(DOCS_ASSETS, StaticFiles(directory=str(SWAGGER_UI)), name="docs-assets")
 
     @app.api_route("/", methods=["GET", "HEAD"])
     async def root(request: Request) -> Response:
@@ -345,6 +440,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def hello() -> Response:
         return JSONResponse({"status": "ok"})
 
-    app.add_middleware(EdgeMiddleware, settings=settings.edge)
+    # the keys in force, kept where a SIGHUP handler can reload them (gateway.main)
+    app.state.api_keys = KeyRing(settings.edge.api_keys, settings.edge.api_keys_file)
+    app.add_middleware(EdgeMiddleware, settings=settings.edge, keys=app.state.api_keys)
     app.add_middleware(AccessLogMiddleware)  # outermost: edge refusals are logged too
     return app

@@ -43,11 +43,18 @@ def request_id() -> str:
     return "req_" + secrets.token_hex(12)
 
 
+# Endpoints beside the dialects that OpenAI-shaped clients call (embeddings, llama-server's
+# tokenizer, LM Studio's model listing): their errors are in the OpenAI envelope, whatever the headers.
+OPENAI_ENVELOPE_PATHS = ("/v1/embeddings", "/tokenize", "/detokenize", "/api/v0/", "/api/v1/")
+
+
 def dialect_for_path(path: str, headers: Any = None) -> str:
     """Which envelope an error on this path should use (for 404s and edge errors too)."""
     dialect = dialect_of_path(path)
     if dialect is not None:
         return dialect
+    if path.startswith(OPENAI_ENVELOPE_PATHS):
+        return CHAT
     if headers is not None and ("anthropic-version" in headers or "x-api-key" in headers):
         return ANTHROPIC
     return CHAT

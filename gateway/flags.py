@@ -23,6 +23,16 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action=CommaList, default=[], metavar="KEY,…",
                    help="require Authorization: Bearer KEY (or x-api-key: KEY), one of these keys (comma-separated, "
                         "repeatable); with several, each key is a tenant whose cached prompts no other key reuses")
+    p.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="more API keys, one a line: NAME:KEY, or NAME:sha256:HEX (the key's SHA-256, so the file "
+                        "holds no secret); blank lines and # comments skipped; read again on SIGHUP. The name "
+                        "goes to the access log and the metrics (--api-key's keys are key1, key2, ...)")
+    p.add_argument("--cors-origin", action=CommaList, default=[], metavar="ORIGIN,…",
+                   help="let browser pages from these origins call the API (comma-separated, repeatable; * for "
+                        "any): preflights are answered, and responses carry CORS headers for them only")
+    p.add_argument("--strict-fields", action="store_true",
+                   help="refuse (400) a request with a field this server does not know, instead of ignoring it "
+                        "and naming it in the x-lmserve-ignored-fields header")
     p.add_argument("--share-cache", action="store_true",
                    help="with several --api-key keys: let every key reuse every other's cached prompts (faster "
                         "when the tenants trust each other: a cache hit can tell one what another sent)")
@@ -42,6 +52,12 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on shutdown, seconds in-flight requests get to finish; a reply still running is then "
                         "cut with an error in its dialect")
+    p.add_argument("--max-request-seconds", type=float, default=0.0, metavar="S",
+                   help="a reply still running S seconds after its worker accepted it ends as if it had reached "
+                        "its max tokens (finish_reason length; x-lmserve-truncated: deadline) (default 0: no limit)")
+    p.add_argument("--max-output-tokens", type=int, default=0, metavar="N",
+                   help="the most tokens a reply may have: a request's max tokens above N is capped to N, and one "
+                        "that names none gets N rather than the rest of the context (default 0: no limit)")
     p.add_argument("--route", choices=ROUTE_POLICIES, default="prefix",
                    help="how a request picks among several workers: prefix (the worker holding the conversation's "
                         "own prefix, unless waiting there costs more than recomputing; new conversations by load) "

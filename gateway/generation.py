@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from gateway import tool_calls
 from gateway.neutral import (
@@ -49,7 +50,33 @@ def prepare(view: ModelView, request: NeutralRequest) -> tuple[tool_calls.ToolPl
     if request.prompt is not None:
         return tools, view.text_prompt_ids(request.prompt, request.suffix)
     return tools, view.prompt_ids(tools.prompt_messages(request.messages), tools.declared, request.reasoning,
-                                  request.prefill, request.reasoning_effort)
+                                  request.prefill, request.reasoning_effort, request.template_kwargs)
+
+
+@dataclass(frozen=True)
+class ReplyLimits:
+    """The server's limits on every reply (--max-request-seconds, --max-output-tokens; 0: none)."""
+    max_seconds: float = 0.0  # from the worker's acceptance on, the reply is cut with a length finish
+    max_output_tokens: int = 0  # a request's max tokens is capped to it; one that names none gets it
+
+
+# An effort word -> (tokens, share of the reply's max tokens): the reasoning budget is the smaller,
+# so a reply whose thinking is cut still has room for its answer. Other words (xhigh, max,
+# default) set no budget; none and minimal turn reasoning off.
+EFFORT_BUDGETS = {"low": (1024, 0.25), "medium": (4096, 0.5), "high": (16384, 0.75)}
+
+
+def reasoning_budget(request: NeutralRequest, max_tokens: int) -> int | None:
+    """The most reasoning tokens the reply may write: Anthropic's thinking.budget_tokens as it
+    is, else the effort's budget (EFFORT_BUDGETS); None without reasoning or a budget."""
+    if not request.reasoning:
+        return None
+    if request.reasoning_budget is not None:
+        return request.reasoning_budget
+    if request.reasoning_effort not in EFFORT_BUDGETS:
+        return None
+    tokens, share = EFFORT_BUDGETS[request.reasoning_effort]
+    return max(1, min(tokens, int(max_tokens * share)))
 
 
 QUERY_TOKENS = 512  # of a message, what a fleet's retrieval reads at most (its last ones)
@@ -68,21 +95,26 @@ def _retrieval(view: ModelView, request: NeutralRequest, prompt: list[int]) -> d
 
 async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest,
                    prepared: tuple[tool_calls.ToolPlan, list[int]], ping_interval: float = PING_INTERVAL,
-                   cut: asyncio.Event | None = None) -> AsyncIterator[Event]:
+                   cut: asyncio.Event | None = None, limits: ReplyLimits = ReplyLimits()) -> AsyncIterator[Event]:
     """Yield Started, then content events and Pings, then one Finish.
 
     Errors raised before Started (busy, rejected, prompt too long, worker down) come out as
     exceptions, so the caller can still answer with an HTTP error status. When ``cut`` is set
     (the gateway's drain timeout ran out) the reply ends with ShuttingDownError, which each
-    dialect renders as its own error event, and the worker is told to stop.
+    dialect renders as its own error event, and the worker is told to stop. ``limits`` cut a
+    reply as its max tokens would (a length finish, usage.truncated saying which limit).
     """
     tools, prompt = prepared  # prepare(view, request), done off the event loop by the caller
     view.check_fits(len(prompt))
     room = view.context_budget - len(prompt)
     max_tokens = min(request.max_tokens, room) if request.max_tokens else room
+    capped = 0 < limits.max_output_tokens < max_tokens
+    if capped:
+        max_tokens = limits.max_output_tokens
     if request.max_tokens == 0 and request.prompt_logprobs is not None:
         max_tokens = 0  # the prompt scored, nothing generated
     convention = view.convention
+    chat = request.prompt is None
     # A forced call's grammar, or the format the client asked for (plan refuses both at once).
     grammar = tools.grammar or request.grammar
     # A convention's forced call grammar may hold the whole reply, its reasoning included
@@ -94,10 +126,10 @@ async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest
                               cache_hint=request.cache_hint, stop_ids=[] if request.ignore_eos else None,
                               cartridge_ids=list(request.cartridges), namespace=request.tenant,
                               speculate=request.speculate,
+                              reasoning_budget=reasoning_budget(request, max_tokens) if chat else None,
                               **(_retrieval(view, request, prompt) if view.card.capabilities.fleet else {}),
                               prompt_logprobs=-1 if request.prompt_logprobs is None else request.prompt_logprobs)
     tokenizer = view.tokenizer
-    chat = request.prompt is None
     # a convention whose markers are control tokens keeps them in the text, for its splitter
     decoder = tokenizer.incremental_decoder(skip_special=True,
                                             keep=convention.kept_ids(tokenizer) if chat else frozenset())
@@ -117,14 +149,25 @@ async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest
     stream = workers.generate(worker_request, affinity_key(request, prompt), placement)
     pending: asyncio.Task | None = None
     cutting = asyncio.ensure_future(cut.wait()) if cut is not None else None
+    loop = asyncio.get_running_loop()
+    deadline: float | None = None  # set when the worker accepts: --max-request-seconds from then
     try:
         pending = asyncio.ensure_future(stream.__anext__())
         while True:
+            if deadline is not None and loop.time() >= deadline:
+                for event in reply.push(decoder.flush()) + reply.finish():
+                    yield event
+                usage.reasoning_tokens, usage.truncated = reasoning_tokens, "deadline"
+                yield Finish("length", usage)  # closing the worker stream (finally) sends ABORT
+                return
             waiting = {pending} if cutting is None else {pending, cutting}
-            done, _ = await asyncio.wait(waiting, timeout=ping_interval, return_when=asyncio.FIRST_COMPLETED)
+            wait = ping_interval if deadline is None else max(0.0, min(ping_interval, deadline - loop.time()))
+            done, _ = await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
             if pending not in done and cutting in done:
                 raise ShuttingDownError("the server is shutting down and its drain timeout has passed: "
                                         "this reply was cut; send the request again")
+            if not done and deadline is not None and loop.time() >= deadline:
+                continue
             if not done:
                 yield Ping()
                 continue
@@ -135,6 +178,8 @@ async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest
             pending = None
             if isinstance(message, Accepted):
                 usage.cartridges = list(message.cartridges)
+                if limits.max_seconds:
+                    deadline = loop.time() + limits.max_seconds
                 yield Started(len(prompt), placement, list(message.cartridges))
             elif isinstance(message, Tokens):
                 if message.cached_tokens is not None:
@@ -168,6 +213,8 @@ async def generate(view: ModelView, workers: WorkerPool, request: NeutralRequest
                 usage.reasoning_tokens = reasoning_tokens
                 usage.drafted_tokens, usage.accepted_tokens = message.drafted_tokens, message.accepted_tokens
                 reason = WORKER_REASONS.get(message.reason, "error")
+                if capped and message.reason == FinishReason.LENGTH:
+                    usage.truncated = "max_output_tokens"
                 error = message.error
                 if message.reason == FinishReason.ABORT:
                     error = f"the worker cut this reply before it finished: {error or 'aborted'}"
@@ -207,13 +254,20 @@ class PlainText:
 
 class ReplyText:
     """The reply's text on its way to events: the reasoning split, then stop strings on what is
-    not reasoning, then tool-call parsing on what the stop strings release."""
+    not reasoning, then tool-call parsing on what the stop strings release.
+
+    Never an empty success: a reply the model wrote something in that shows nothing (markers
+    alone, an empty reasoning block, a call block that reads as nothing) ends with the text the
+    model wrote, as text. A stop string that fired at once is the exception: it asked for
+    nothing to be shown."""
 
     def __init__(self, splitter: Splitter,
                  stops: StopStringMatcher, parser: tool_calls.ToolCallParser | tool_calls.WholeReplyCall | None):
         self.splitter = splitter
         self.stops = stops
         self.parser = parser
+        self.written: list[str] = []  # the reply's text as decoded, markers it keeps included
+        self.shown = False  # text, reasoning or a finished call has come out
 
     @property
     def ended(self) -> bool:
@@ -221,12 +275,13 @@ class ReplyText:
         return self.stops.fired is not None or (self.parser is not None and self.parser.done)
 
     def push(self, text: str) -> list[Event]:
+        self.written.append(text)
         out: list[Event] = []
         for piece in self.splitter.push(text):
             if self.ended:
                 break
             out += self._piece(piece)
-        return out
+        return self._seen(out)
 
     def finish(self) -> list[Event]:
         """The reply is over: release what every stage held back."""
@@ -238,7 +293,18 @@ class ReplyText:
             out += self._content(self.stops.flush())
             if self.parser is not None:
                 out += self.parser.flush()
+        self._seen(out)
+        written = "".join(self.written)
+        if not self.shown and self.stops.fired is None and written.strip():
+            out.append(TextDelta(written))
+            self.shown = True
         return out
+
+    def _seen(self, events: list[Event]) -> list[Event]:
+        self.shown = self.shown or any(
+            isinstance(event, ToolCallEnd) or (isinstance(event, (TextDelta, ReasoningDelta)) and event.text.strip())
+            for event in events)
+        return events
 
     def reason(self, reason: str) -> str:
         """A reply that made calls ended to have them run, unless it was cut short."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import sys
 from typing import Any
@@ -12,6 +13,7 @@ import uvicorn
 from gateway.app import Gateway, GatewaySettings, create_app
 from gateway.edge import EdgeSettings
 from gateway.flags import build_parser
+from gateway.generation import ReplyLimits
 from gateway.http_protocol import edge_protocol
 from shared import log_format
 from shared.errors import LmserveError
@@ -40,8 +42,11 @@ def settings_from(args) -> GatewaySettings:
     return GatewaySettings(
         worker=args.worker, route=args.route, route_queue_tokens=args.route_queue_tokens,
         ping_interval=args.ping_interval, max_buffered=args.max_buffered,
+        limits=ReplyLimits(args.max_request_seconds, args.max_output_tokens),
         drain_timeout=args.drain_timeout, docs=not args.no_docs, wire=wire_keys(args),
+        strict_fields=args.strict_fields,
         edge=EdgeSettings(bind_host=args.host, api_keys=list(args.api_key), share_cache=args.share_cache,
+                          api_keys_file=args.api_keys_file, cors_origins=list(args.cors_origin),
                           allow_hosts=list(allow),
                           conns=args.conns, max_body=args.max_body))
 
@@ -78,10 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.conns < 1 or args.max_body < 1 or args.header_timeout <= 0:
         parser.error("--conns, --max-body and --header-timeout must be positive")
+    if args.max_request_seconds < 0 or args.max_output_tokens < 0:
+        parser.error("--max-request-seconds and --max-output-tokens must be 0 (no limit) or more")
     log_format.configure(args.log_format)
     fix_mmap_threshold()
     try:
         settings = settings_from(args)
+        app = create_app(settings)  # reads --api-keys-file: a bad line stops the start here
     except LmserveError as exc:
         print(f"lmserve gateway: {exc.message}", file=sys.stderr)
         return 2
@@ -89,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("lmserve.gateway").warning(
             "the wire to %s is in the clear (no --wire-key/--worker-key): anyone on that network reads it",
             args.worker)
-    app = create_app(settings)
+    # SIGHUP reads --api-keys-file again (uvicorn handles only SIGINT and SIGTERM)
+    signal.signal(signal.SIGHUP, lambda signum, frame: app.state.api_keys.reload())
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:

@@ -24,9 +24,10 @@ MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-REQUESTS = Counter("lmserve_requests", "Model requests answered, by dialect, HTTP status and finish reason "
-                   "(499: the client left first; finish '-': no reply was generated)",
-                   ["dialect", "status", "finish"])
+REQUESTS = Counter("lmserve_requests", "Model requests answered, by dialect, HTTP status, finish reason "
+                   "(499: the client left first; finish '-': no reply was generated) and API key's name "
+                   "(key1, key2, ... for --api-key's keys in order, a keys file's own names; '-': no key)",
+                   ["dialect", "status", "finish", "key"])
 TOKENS = Counter("lmserve_tokens", "Tokens of model requests by kind: prompt, cached (of the prompt, "
                  "reused rather than computed) and completion", ["dialect", "kind"])
 FIRST_TOKEN = Histogram("lmserve_time_to_first_token_seconds", "From a request's arrival to its first "
@@ -43,7 +44,7 @@ ROUTES = Counter("lmserve_routes", "Model requests by the worker they went to an
 def record_request(fields: dict) -> None:
     """Count one finished model request from its access-log fields."""
     dialect = fields["dialect"]
-    REQUESTS.labels(dialect, str(fields["status"]), fields["finish"] or "-").inc()
+    REQUESTS.labels(dialect, str(fields["status"]), fields["finish"] or "-", fields["key"] or "-").inc()
     DURATION.labels(dialect).observe(fields["total_ms"] / 1000)
     if fields["ttft_ms"] is not None:
         FIRST_TOKEN.labels(dialect).observe(fields["ttft_ms"] / 1000)

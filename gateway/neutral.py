@@ -12,6 +12,7 @@ from typing import Any
 from shared.conventions.events import (  # what the conventions' reply readers produce
     ReasoningDelta,
     TextDelta,
+    ToolCallAbandoned,
     ToolCallArgumentsDelta,
     ToolCallEnd,
     ToolCallStart,
@@ -56,7 +57,12 @@ class NeutralRequest:
     # how hard to think when reasoning, as an OpenAI effort word (low … max; Anthropic's budget
     # mapped to one); None: the model's default. Only a template that takes it reads it.
     reasoning_effort: str | None = None
+    # at most this many reasoning tokens (Anthropic's thinking.budget_tokens); None: the effort's
+    # budget, if it has one (gateway/generation.py reasoning_budget)
+    reasoning_budget: int | None = None
     prefill: str = ""  # text the reply must continue from (Anthropic final assistant turn)
+    # chat_template_kwargs: more variables for the chat template (checked against what it reads)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     # A text completion's prompt (text, or token ids) continued as it is: no template, no
     # reasoning split, no tools; ``messages`` is then empty.
@@ -98,15 +104,20 @@ class Usage:
     cartridges: list[str] = field(default_factory=list)  # the KV prefixes it was served behind
     drafted_tokens: int = 0  # speculative decoding: tokens drafted, and of them those that stood
     accepted_tokens: int = 0
+    # why a server limit cut the reply (gateway/generation.py): "deadline" (--max-request-seconds)
+    # or "max_output_tokens" (--max-output-tokens); None: no server limit did
+    truncated: str | None = None
 
 
 def usage_extras(usage: Usage) -> dict[str, Any]:
     """What every dialect's usage block carries beyond its own fields (this server's extension):
-    the cartridges that served the reply, and what speculative decoding drafted and what of it
-    stood, where there were any."""
+    the cartridges that served the reply, what speculative decoding drafted and what of it
+    stood, and the server limit that cut the reply, where there were any."""
     extras: dict[str, Any] = {"cartridges": list(usage.cartridges)} if usage.cartridges else {}
     if usage.drafted_tokens:
         extras["speculation"] = {"drafted_tokens": usage.drafted_tokens, "accepted_tokens": usage.accepted_tokens}
+    if usage.truncated:
+        extras["truncated"] = usage.truncated
     return extras
 
 
@@ -166,4 +177,4 @@ class Finish:
 
 
 Event = (TextDelta | ReasoningDelta | LogprobsDelta | PromptLogprobs | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd
-         | Ping | Started | Finish)
+         | ToolCallAbandoned | Ping | Started | Finish)

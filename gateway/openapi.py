@@ -2,8 +2,9 @@
 
 The request bodies are read as raw JSON by each dialect, so FastAPI has no models to describe
 them; their schemas are built here from the dialects' own field lists instead: every field a
-dialect honors, every field it accepts and ignores, and nothing else (an unknown field is a
-400, so ``additionalProperties`` is false), with the fields it requires. The replies are
+dialect honors, every field it accepts and ignores, with the fields it requires. Other fields
+are ignored (``additionalProperties`` true, the rule in each schema's description), or a 400
+on a gateway started with ``--strict-fields`` (``additionalProperties`` false). The replies are
 described by their shape and their media types (JSON, or ``text/event-stream`` with
 ``stream: true``).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway import embeddings, tokenizing
 from gateway.dialects import anthropic_messages, openai_chat, openai_completions, openai_responses
 
 # Types of the fields common enough to state; a field not listed takes any JSON value.
@@ -41,7 +43,22 @@ FIELD_TYPES: dict[str, dict[str, Any]] = {
                     "off for the request (it never changes a token)"},
     "grammar": {"type": "object", "description": "this server's extension: {type: json_schema | regex | lark "
                 "| llguidance, definition}, the reply held to it"},
+    "chat_template_kwargs": {"type": "object", "additionalProperties": True,
+                             "description": "more variables for the model's chat template (vLLM's and "
+                                            "llama-server's field), e.g. {enable_thinking: false}; a key the "
+                                            "template never reads, or one the server sets itself (messages, "
+                                            "tools, bos_token, add_generation_prompt, ...), is a 400"},
+    "encoding_format": {"enum": ["float", "base64"]},
+    "dimensions": {"type": "integer", "description": "only the model's own width"},
+    "content": {"type": "string"},
+    "add_special": {"type": "boolean"},
+    "parse_special": {"type": "boolean"},
+    "with_pieces": {"type": "boolean"},
 }
+# the input of /v1/embeddings: a text, texts, token ids or arrays of token ids
+EMBEDDING_INPUT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                             {"type": "array", "items": {"type": "integer"}},
+                             {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]}
 REQUIRED = {"chat": ["messages"], "completions": ["prompt"], "responses": ["input"],
             "messages": ["messages", "max_tokens"], "count_tokens": ["messages"]}
 ENDPOINTS = [  # path, operation id, summary, dialect module, schema name
@@ -54,17 +71,48 @@ ENDPOINTS = [  # path, operation id, summary, dialect module, schema name
 ]
 
 
+TOLERANT = ("Unknown fields, at the top level and inside messages and content blocks, are ignored: "
+            "each reply lists their paths in x-lmserve-ignored-fields.")
+STRICT = "Unknown fields are a 400 (this gateway runs with --strict-fields)."
+
+
+def unknown_fields_rule(schemas: dict[str, Any], strict: bool) -> None:
+    """Each request schema opened (or closed, with --strict-fields) to fields it does not list."""
+    for schema in schemas.values():
+        for shape in schema.get("oneOf", [schema]):
+            shape["additionalProperties"] = not strict
+        rule = STRICT if strict else TOLERANT
+        schema["description"] = f"{schema['description']}. {rule}" if schema.get("description") else rule
+
+
 def request_schema(module: Any, required: list[str]) -> dict[str, Any]:
+    return fields_schema(module.HONORED | module.IGNORED, required, ignored=module.IGNORED)
+
+
+def fields_schema(names: set[str], required: list[str], ignored: set[str] = frozenset(),
+                  types: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An object of exactly these fields (each typed from ``types`` or FIELD_TYPES where known)."""
     properties = {}
-    for name in sorted(module.HONORED | module.IGNORED):
-        schema = dict(FIELD_TYPES.get(name, {}))
-        if name in module.IGNORED:
+    for name in sorted(names):
+        schema = dict((types or {}).get(name) or FIELD_TYPES.get(name, {}))
+        if name in ignored:
             schema["description"] = "accepted and ignored"
         properties[name] = schema
     return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
 
 
-def document(version: str) -> dict[str, Any]:
+def json_operation(operation: str, summary: str, schema: str, reply: str, reply_schema: dict[str, Any],
+                   error: dict[str, Any]) -> dict[str, Any]:
+    """A POST of a JSON body answered with JSON."""
+    return {"post": {
+        "operationId": operation, "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{schema}"}}}},
+        "responses": {"200": {"description": reply, "content": {"application/json": {"schema": reply_schema}}},
+                      "400": error, "401": error, "503": error}}}
+
+
+def document(version: str, strict_fields: bool = False) -> dict[str, Any]:
     error = {"description": "an error in the dialect's own envelope",
              "content": {"application/json": {"schema": {"type": "object"}}}}
     schemas: dict[str, Any] = {}
@@ -82,15 +130,44 @@ def document(version: str) -> dict[str, Any]:
                 "400": error, "401": error, "413": error, "429": error, "503": error}}}
     schemas["CountTokensRequest"] = {**request_schema(anthropic_messages, REQUIRED["count_tokens"]),
                                      "description": "a Messages request; max_tokens and stream are not needed"}
-    paths["/v1/messages/count_tokens"] = {"post": {
-        "operationId": "count_tokens", "summary": "Anthropic token counting: the prompt a Messages request would run",
-        "requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"$ref": "#/components/schemas/CountTokensRequest"}}}},
-        "responses": {"200": {"description": "{input_tokens}", "content": {"application/json": {"schema": {
-            "type": "object", "properties": {"input_tokens": {"type": "integer"}}}}}}, "400": error}}}
+    count = {"type": "object", "properties": {"input_tokens": {"type": "integer"}}}
+    paths["/v1/messages/count_tokens"] = json_operation(
+        "count_tokens", "Anthropic token counting: the prompt a Messages request would run", "CountTokensRequest",
+        "{input_tokens}", count, error)
+    schemas["InputTokensRequest"] = {
+        **fields_schema(openai_responses.HONORED | openai_responses.IGNORED | openai_responses.INPUT_TOKENS_IGNORED,
+                        [], ignored=openai_responses.IGNORED | openai_responses.INPUT_TOKENS_IGNORED),
+        "description": "a Responses request; what it would generate is not read"}
+    paths["/v1/responses/input_tokens"] = json_operation(
+        "input_tokens", "OpenAI Responses token counting: the prompt a Responses request would run",
+        "InputTokensRequest", "{object: response.input_tokens, input_tokens}",
+        {**count, "properties": {**count["properties"], "object": {"const": "response.input_tokens"}}}, error)
+    schemas["EmbeddingRequest"] = fields_schema(embeddings.FIELDS, ["input"], ignored={"user"},
+                                                types={"input": EMBEDDING_INPUT})
+    paths["/v1/embeddings"] = json_operation(
+        "embeddings", "OpenAI embeddings: the mean of the final hidden states, unit length", "EmbeddingRequest",
+        "{object: list, data: [{object: embedding, index, embedding}], model, usage}", {"type": "object"}, error)
+    schemas["TokenizeRequest"] = {
+        "oneOf": [fields_schema(tokenizing.TOKENIZE_FIELDS, ["content"], ignored={"model"}),
+                  fields_schema(openai_chat.HONORED | openai_chat.IGNORED | tokenizing.OWN_FIELDS, ["messages"],
+                                ignored=openai_chat.IGNORED)],
+        "description": "llama-server's {content, add_special, parse_special, with_pieces}, or a Chat Completions "
+                       "request (with with_pieces) whose prompt is tokenized as a generation would run it"}
+    paths["/tokenize"] = json_operation(
+        "tokenize", "llama-server's tokenizer: ids, or {id, piece} with with_pieces", "TokenizeRequest",
+        "{tokens}", {"type": "object", "properties": {"tokens": {"type": "array"}}}, error)
+    schemas["DetokenizeRequest"] = fields_schema(tokenizing.DETOKENIZE_FIELDS, ["tokens"], ignored={"model"},
+                                                 types={"tokens": {"type": "array", "items": {"type": "integer"}}})
+    paths["/detokenize"] = json_operation(
+        "detokenize", "llama-server's detokenizer: the text of token ids", "DetokenizeRequest", "{content}",
+        {"type": "object", "properties": {"content": {"type": "string"}}}, error)
     for path, summary, body in (
             ("/v1/models", "The served model, in a body both SDKs accept", "a list of one model"),
             ("/v1/models/{model_id}", "The served model under the id asked for", "one model"),
+            ("/api/v0/models", "LM Studio's listing: the model loaded, its contexts, quantization, capabilities",
+             "{object: list, data: [model]}"),
+            ("/api/v0/models/{model_id}", "LM Studio's listing of one model, under the id asked for", "one model"),
+            ("/api/v1/models", "LM Studio's newer listing, with the loaded instance", "{models: [model]}"),
             ("/health", "Ready (200) or loading (503); no API key", "status, model, worker load"),
             ("/metrics", "Prometheus metrics of the gateway (text format)", "the metrics page")):
         operation: dict[str, Any] = {"summary": summary, "responses": {"200": {"description": body}}}
@@ -98,6 +175,7 @@ def document(version: str) -> dict[str, Any]:
             operation["parameters"] = [{"name": "model_id", "in": "path", "required": True,
                                         "schema": {"type": "string"}}]
         paths[path] = {"get": operation}
+    unknown_fields_rule(schemas, strict_fields)
     return {
         "openapi": "3.1.0",
         "info": {"title": "lmserve", "version": version,

@@ -6,6 +6,7 @@ the prompt that would run.
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from typing import Any
 from shared import conventions
 from shared.chat_template import ChatTemplate
 from shared.conventions.base import Convention
-from shared.errors import ContextOverflowError, InvalidRequestError
+from shared.errors import ContextOverflowError, InvalidRequestError, TemplateError
 from shared.protocol import ModelCard, Tags
 from shared.tokenizer import Tokenizer, trie_pattern
 
@@ -76,15 +77,31 @@ class ModelView:
         return conventions.get(self.card.capabilities.convention)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, reasoning: bool = False,
-               prefill: str = "", effort: str | None = None) -> str:
+               prefill: str = "", effort: str | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text. ``effort``: how hard the client asked the model to think (an OpenAI
-        effort word), for a template that takes it (Inkling's ``reasoning_effort``)."""
+        effort word), for a template that takes it (Inkling's ``reasoning_effort``).
+        ``template_kwargs``: the client's own template variables, over the reasoning switch."""
         if self.template is None:
             raise InvalidRequestError(NO_TEMPLATE, param="messages")
         convention = self.convention
         switch: dict[str, Any] = convention.template_switch(reasoning, effort) if self.has_reasoning_channel else {}
-        text = self.template.render(messages, tools=tools or None, add_generation_prompt=True, **switch)
+        if not self.takes_late_system:
+            messages = fold_late_system(messages)
+        text = self.template.render(messages, tools=tools or None, add_generation_prompt=True,
+                                    **{**switch, **(template_kwargs or {})})
         return text + convention.prefill_opens + prefill if prefill else text
+
+    @functools.cached_property
+    def takes_late_system(self) -> bool:
+        """Whether the template renders a system message that is not the conversation's first
+        (Claude Code 2.x sends one after its first user message, Codex several developer messages
+        after its instructions); many refuse one (Qwen3.5's, for one), so each is asked once."""
+        assert self.template is not None
+        try:
+            self.template.render([{"role": "user", "content": "?"}, {"role": "system", "content": "?"}])
+        except TemplateError:
+            return False
+        return True
 
     def encode_prompt(self, text: str, quoted: ClientText | None = None) -> list[int]:
         """The ids of a rendered prompt. With ``quoted``, its markers stand for text a client
@@ -109,7 +126,8 @@ class ModelView:
         return ids
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None, reasoning: bool = False,
-                   prefill: str = "", effort: str | None = None) -> list[int]:
+                   prefill: str = "", effort: str | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The prompt's ids. One far longer than the context is refused before it is tokenized
         (its length in characters bounds its tokens from below), so a huge body costs its
         rendering, not seconds of tokenizing and a tokenizer's worth of memory."""
@@ -118,10 +136,10 @@ class ModelView:
         if self.template is None:
             raise InvalidRequestError(NO_TEMPLATE, param="messages")
         # the client's text alone already too long: refused before it is scanned or rendered
-        self.refuse_beyond_context(text_length((messages, tools, prefill)))
+        self.refuse_beyond_context(text_length((messages, tools, prefill, template_kwargs)))
         quoted = ClientText(self.control_texts)
         messages, tools, prefill = quoted.mark(messages), quoted.mark(tools), quoted.mark(prefill)
-        text = self.render(messages, tools, reasoning, prefill, effort)
+        text = self.render(messages, tools, reasoning, prefill, effort, quoted.mark(template_kwargs or {}))
         self.refuse_beyond_context(len(text))
         return self.encode_prompt(text, quoted)
 
@@ -199,6 +217,38 @@ class ClientText:
     def _swap(self, match: re.Match) -> str:
         self.originals.append(match.group(0))
         return self._format.format(len(self.originals) - 1)
+
+
+def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation for a template that takes a system message first only: the system
+    messages that open it become one, and each later one becomes text of a user turn, where a
+    client that could not send it as a system message would have put it: the user turn it
+    follows, else the next one, else one of its own at the end. A conversation's earlier turns
+    render as before when it grows, so its cached prefix still serves."""
+    out: list[dict[str, Any]] = []
+    pending: list[str] = []  # later system texts waiting for the next user turn
+    for message in messages:
+        role, content = message.get("role"), message.get("content")
+        previous = out[-1] if out else {}
+        joinable = isinstance(previous.get("content"), str)
+        if role == "system" and len(out) == 1 and previous.get("role") == "system" and joinable:
+            out[0] = {**previous, "content": _joined(previous["content"], content)}
+        elif role == "system" and previous.get("role") == "user" and joinable:
+            out[-1] = {**previous, "content": _joined(previous["content"], content)}
+        elif role == "system" and out:
+            pending.append(_joined(content))
+        elif role == "user" and pending and isinstance(content, str):
+            out.append({**message, "content": _joined(*pending, content)})
+            pending = []
+        else:
+            out.append(message)
+    if pending:
+        out.append({"role": "user", "content": _joined(*pending)})
+    return out
+
+
+def _joined(*texts: Any) -> str:
+    return "\n\n".join(text for text in texts if isinstance(text, str) and text)
 
 
 def text_length(value: Any) -> int:

@@ -4,9 +4,14 @@ name the field at fault (``messages[2].content``) and what it should be."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 from shared.errors import InvalidRequestError
@@ -136,18 +141,58 @@ def number_in(obj: dict[str, Any], key: str, low: float, high: float, where: str
     return value
 
 
-def reject_unknown(obj: dict[str, Any], known: Iterable[str], where: str = "") -> None:
+@dataclass
+class FieldTolerance:
+    """One request's rule for fields this server does not know: ignored (the default; their
+    paths are noted for the reply's ``x-lmserve-ignored-fields``) or refused (--strict-fields)."""
+
+    strict: bool = False
+    endpoint: str = ""  # the path the request came to, for the log line
+    ignored: list[str] = dataclass_field(default_factory=list)
+
+
+_tolerance: ContextVar[FieldTolerance | None] = ContextVar("field_tolerance", default=None)
+_warned: set[str] = set()  # field names already logged by this process
+log = logging.getLogger("lmserve.gateway")
+
+
+@contextmanager
+def tolerating(tolerance: FieldTolerance) -> Iterator[FieldTolerance]:
+    """Parse a request under ``tolerance`` (outside one, unknown fields are ignored unnoted)."""
+    token = _tolerance.set(tolerance)
+    try:
+        yield tolerance
+    finally:
+        _tolerance.reset(token)
+
+
+def unknown_fields(obj: dict[str, Any], known: Iterable[str], where: str = "") -> None:
+    """Fields of ``obj`` not in ``known``: a 400 under --strict-fields, else noted and ignored
+    (a client adding a field of a newer API, or of another server's, keeps working)."""
     unknown = sorted(set(obj) - set(known))
-    if unknown:
-        path = f"{where}.{unknown[0]}" if where else unknown[0]
+    if not unknown:
+        return
+    tolerance = _tolerance.get() or FieldTolerance()
+    paths = [f"{where}.{name}" if where else name for name in unknown]
+    if tolerance.strict:
         raise InvalidRequestError(
-            f"unknown field '{path}'" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else "")
-            + "; see docs/API.md for the fields this server takes", param=path)
+            f"unknown field '{paths[0]}'" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else "")
+            + "; see docs/API.md for the fields this server takes", param=paths[0])
+    tolerance.ignored.extend(paths)
+    for name in unknown:
+        if name not in _warned:
+            _warned.add(name)
+            log.warning('ignored unknown field "%s" in %s (said once per field name; --strict-fields refuses '
+                        "unknown fields)", name, tolerance.endpoint or "a request")
 
 
 # Parts a text-only model cannot read, in each dialect's names -> what the prompt says instead.
 MEDIA_PARTS = {"image_url": "image", "input_image": "image", "image": "image", "input_audio": "audio",
                "file": "file", "input_file": "file", "document": "document"}
+
+
+# A text part's fields in the OpenAI dialects (Responses' output_text carries annotations, logprobs).
+TEXT_PART_FIELDS = {"type", "text", "refusal", "annotations", "logprobs"}
 
 
 def media_placeholder(kind: str) -> str:
@@ -193,6 +238,7 @@ def text_of_parts(content: Any, where: str, part_types: tuple[str, ...] = ("text
             raise InvalidRequestError(
                 f"'{path}.type' is {kind!r}; this server reads only {', '.join(part_types)} parts here",
                 param=f"{path}.type")
+        unknown_fields(part, TEXT_PART_FIELDS, path)
         # a refusal part carries its words under "refusal", every other text part under "text"
         pieces.append(field(part, "refusal" if kind == "refusal" else "text", str, path, required=True))
     return "".join(pieces)
@@ -214,3 +260,14 @@ def cartridges_field(body: dict[str, Any]) -> list[str]:
             raise InvalidRequestError(f"'cartridges[{i}]' must be a cartridge's name (a non-empty string)",
                                       param="cartridges")
     return names
+
+
+def token_ids(value: Any, where: str, vocab_size: int) -> list[int]:
+    """A list of token ids, each an integer of the model's vocabulary."""
+    check_type(value, list, where)
+    for i, item in enumerate(value):
+        check_type(item, int, f"{where}[{i}]")
+        if not 0 <= item < vocab_size:
+            raise InvalidRequestError(f"'{where}[{i}]' is {item}, which is not a token id of this model "
+                                      f"(0 to {vocab_size - 1})", param=f"{where}[{i}]")
+    return value

@@ -2,8 +2,8 @@
 
 One ``WorkerClient`` per gateway process. It connects a DEALER to the worker, says HELLO,
 keeps the MODEL_CARD, exchanges heartbeats, and routes each reply to the request it belongs
-to. ``generate`` yields TOKENS and then the FINISHED message; leaving the loop early (client
-gone, stop string seen) sends ABORT. When the worker goes silent or restarts, every request in
+to. ``generate`` yields TOKENS and then the FINISHED message (for an EMBED, the EMBEDDINGS
+message); leaving the loop early (client gone, stop string seen) sends ABORT. When the worker goes silent or restarts, every request in
 flight fails with ``WorkerUnavailableError`` and the client says HELLO until a worker answers.
 """
 
@@ -36,6 +36,8 @@ from shared.protocol import (
     Abort,
     Accepted,
     Busy,
+    Embed,
+    Embeddings,
     Finished,
     Generate,
     Heartbeat,
@@ -55,7 +57,7 @@ log = logging.getLogger("lmserve.gateway")
 
 FIRST_REPLY_TIMEOUT = 60.0
 # what a worker sends in answer to a request, routed to that request
-REPLIES = (Accepted, Busy, Rejected, Tokens, Finished)
+REPLIES = (Accepted, Busy, Rejected, Tokens, Finished, Embeddings)
 
 
 class WorkerClient:
@@ -153,9 +155,10 @@ class WorkerClient:
         self._counter += 1
         return f"{self.name}-{self._counter}"
 
-    async def generate(self, request: Generate) -> AsyncIterator[Accepted | Tokens | Finished]:
+    async def generate(self, request: Generate | Embed) -> AsyncIterator[Accepted | Tokens | Finished | Embeddings]:
         """Send one request; raise BusyError / InvalidRequestError / WorkerUnavailableError
-        instead of ACCEPTED, else yield ACCEPTED, the TOKENS messages and finally FINISHED."""
+        instead of ACCEPTED, else yield ACCEPTED, the TOKENS messages and finally FINISHED (an
+        EMBED: ACCEPTED, then EMBEDDINGS or FINISHED)."""
         if not self.ready:
             raise WorkerUnavailableError(self.version_error or "the worker is not ready (still loading, or unreachable)")
         rid = request.request_id
@@ -202,7 +205,7 @@ class WorkerClient:
                 if isinstance(item, LmserveError):
                     finished = True
                     raise item
-                if isinstance(item, Finished):
+                if isinstance(item, (Finished, Embeddings)):
                     finished = True
                     yield item
                     return

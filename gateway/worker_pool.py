@@ -55,7 +55,17 @@ from gateway.neutral import NeutralRequest, Placement
 from gateway.worker_client import WorkerClient
 from shared.errors import BusyError, WorkerUnavailableError
 from shared.prefix_digest import ROUTE_BLOCK, held_prefix, prefix_digests
-from shared.protocol import DEFAULT_ENDPOINT, Accepted, Finished, FinishReason, Generate, ModelCard, Tokens
+from shared.protocol import (
+    DEFAULT_ENDPOINT,
+    Accepted,
+    Embed,
+    Embeddings,
+    Finished,
+    FinishReason,
+    Generate,
+    ModelCard,
+    Tokens,
+)
 from shared.wire_security import ClientKeys
 
 log = logging.getLogger("lmserve.gateway")
@@ -386,17 +396,18 @@ class WorkerPool:
         self.conversations.settle(affinity, best.endpoint)
         return best, route
 
-    async def generate(self, request: Generate, affinity: str | None = None,
-                       placement: Placement | None = None) -> AsyncIterator[Accepted | Tokens | Finished]:
+    async def generate(self, request: Generate | Embed, affinity: str | None = None, placement: Placement | None = None
+                       ) -> AsyncIterator[Accepted | Tokens | Finished | Embeddings]:
         """``WorkerClient.generate`` over the pool: the chosen worker's ACCEPTED, TOKENS and
-        FINISHED, moving on to another worker while none of the reply has been sent."""
+        FINISHED (an EMBED's EMBEDDINGS), moving on to another worker while none of the reply has
+        been sent. An EMBED holds no prompt any worker has cached: it goes where the load is least."""
         placement = placement if placement is not None else Placement()
         tried: set[WorkerClient] = set()
         busy: BusyError | None = None
         lost: WorkerUnavailableError | None = None
         accepted = False
         while True:
-            choice = self.choose(request.prompt, affinity, tried)
+            choice = self.choose(request.prompt if isinstance(request, Generate) else [], affinity, tried)
             if choice is None:
                 if busy is not None:
                     raise busy

@@ -4,7 +4,8 @@
     lmserve worker [MODEL]     the engine process alone, serving gateways over ZeroMQ
     lmserve gateway            the HTTP edge alone (--worker tcp://...)
     lmserve generate [MODEL]   complete one prompt in this process and print the speeds
-    lmserve models             the models MODEL may name (fetched on first use); else a GGUF path
+    lmserve models             the models MODEL may name (fetched on first use), the Hub's cached; else a GGUF path
+    lmserve pull OWNER/REPO[:QUANT] fetch a GGUF from the Hugging Face Hub, as MODEL OWNER/REPO[:QUANT] does
     lmserve cartridge init DOC a KV prefix of a document, for --cartridge
     lmserve cartridge train DOC… a cartridge trained on documents by self-study (lmserve[train])
     lmserve keys NAME…         CURVE key pairs for the worker wire, a kvstore secret (split deployments)
@@ -23,6 +24,7 @@ COMMANDS = {
     "gateway": "gateway.main",
     "generate": "worker.generate",
     "models": "launcher.models",
+    "pull": "launcher.pull",
     "cartridge": "training.command",
     "keys": "shared.keys",
 }

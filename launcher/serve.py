@@ -385,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--conns, --max-body and --header-timeout must be positive")
     from shared.default_model import resolve_model
     args.model = resolve_model(model_argument(parser, args))
+    if args.draft:  # a Hub or known name is fetched here, once, with its progress on this terminal
+        args.draft = resolve_model(args.draft)
     if args.worker and len(args.worker.split(",")) != args.workers:
         parser.error(f"--worker names {len(args.worker.split(','))} endpoint(s) for {args.workers} worker(s)")
     if any(endpoint.startswith("dns+") for endpoint in args.worker.split(",")):

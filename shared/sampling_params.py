@@ -52,3 +52,35 @@ class SamplingParams:
         values = fields_of(cls, data, path, wire_types={"logit_bias": list[tuple[int, float]] | None})
         values["logit_bias"] = {token: float(bias) for token, bias in values.get("logit_bias") or []}
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves a sampling field unset samples with: the model file's
+    recommended settings (its GGUF's ``general.sampling.*``), overridden by the worker's flags
+    (``--temperature``, ``--top-p``, ``--top-k``, ``--min-p``, ``--repeat-penalty``). None: no
+    recommendation, so the API's own default (SamplingParams') holds. The worker sends them in
+    its MODEL_CARD; the gateway fills a request's unset fields from them, where it still knows
+    which fields the request set."""
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    def given(self) -> dict[str, float | int]:
+        """The recommended values, by SamplingParams' field names."""
+        return {name: value for name, value in asdict(self).items() if value is not None}
+
+    def over(self, fallback: SamplingDefaults) -> SamplingDefaults:
+        """These values where given, else ``fallback``'s (the command line over the file)."""
+        return SamplingDefaults(**{**fallback.given(), **self.given()})
+
+    def params(self, **request: Any) -> SamplingParams:
+        """A request's SamplingParams: the fields it set (None: unset) as it set them, each unset
+        one from these defaults, else the API's. A top_p of 0 would leave no token to sample:
+        the smallest positive value stands for it (greedy)."""
+        chosen = {**self.given(), **{name: value for name, value in request.items() if value is not None}}
+        if chosen.get("top_p") == 0:
+            chosen["top_p"] = 1e-9
+        return SamplingParams(**chosen)

@@ -247,6 +247,12 @@ def stack(start_gateway, stack_worker) -> GatewayProcess:
     return start_gateway(stack_worker, "--ping-interval", "0.5")
 
 
+@pytest.fixture(scope="session")
+def strict_stack(start_gateway, stack_worker) -> GatewayProcess:
+    """A gateway in front of the shared worker that refuses unknown fields (--strict-fields)."""
+    return start_gateway(stack_worker, "--strict-fields")
+
+
 @pytest.fixture
 def no_lmserve_environment(monkeypatch):
     """No LMSERVE_* variable of the machine running the tests sets a parser's defaults."""

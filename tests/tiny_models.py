@@ -189,7 +189,7 @@ TINY_FIXTURES = {**{arch: (arch, {}) for arch in ARCHS + RECURRENT}, **VARIANTS}
 # every tiny model with a fixture of either reference
 TINY_SPECS = {**TINY_FIXTURES, **{arch: (arch, {}) for arch in TRANSFORMERS_ONLY}}
 
-_COMMON_OVERRIDES = {"tensor_type", "name"}
+_COMMON_OVERRIDES = {"tensor_type", "name", "sampling"}
 
 _TENSOR_TYPES = {
     "F32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -417,7 +417,9 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
     Overrides: any hyperparameter key of the returned dict (``n_layer``, ``n_embd``,
     ``n_head``, ``n_head_kv``, ``head_dim``, ``n_ff``, ``n_expert``, ``n_expert_used``,
     ``n_ff_exp``, ``rope_base``, ``rms_eps``, ``context_length``, ``tied``, ``vocab``), plus
-    ``tensor_type`` ("F32", "F16", "Q8_0") and ``name``.
+    ``tensor_type`` ("F32", "F16", "Q8_0"), ``name``, and ``sampling``: the recommended sampling
+    settings the file carries, ``{"temp": 0.6, "top_k": 20}`` written as ``general.sampling.temp``…
+    (integers as uint32, the rest as float32).
     """
     hp = _resolve_hparams(arch, overrides)
     vocab = vocab_metadata(hp["vocab"])
@@ -471,6 +473,8 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
         if hp["nextn_layers"]:
             writer.add_uint32(f"{arch}.nextn_predict_layers", hp["nextn_layers"])
     add_tokenizer_keys(writer, vocab)
+    for key, value in overrides.get("sampling", {}).items():
+        (writer.add_uint32 if isinstance(value, int) else writer.add_float32)(f"general.sampling.{key}", value)
 
     rng = np.random.default_rng(seed)
 

@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     init.add_argument("document", help="a text file")
     init.add_argument("--tokens", type=int, default=256, help="positions P the cartridge holds (default 256)")
     init.add_argument("--out", required=True, help="the cartridge file to write (.safetensors)")
-    init.add_argument("--model", default=None, help="GGUF file or checkpoint directory (default: the default model)")
+    init.add_argument("--model", default=None, help="GGUF file, checkpoint directory, known name or Hugging Face "
+                                                    "Hub model, OWNER/REPO[:QUANT] (default: the default model)")
     train = sub.add_parser("train", help="train a cartridge on documents by self-study (needs lmserve[train])",
                            description=TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("documents", nargs="+", help="text files: one cartridge learns them all")
@@ -83,7 +84,8 @@ every chunk of every document with the served model's pooled hidden states. Serv
 
 
 def add_training_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    parser.add_argument("--model", default=None, help="GGUF file, known name or Hugging Face Hub model, "
+                                                      "OWNER/REPO[:QUANT] (default: the default model)")
     parser.add_argument("--tokens", type=int, default=256, help="positions P a cartridge holds (default 256)")
     parser.add_argument("--samples", type=int, default=64, help="self-study conversations to write (default 64)")
     parser.add_argument("--steps", type=int, default=200, help="optimiser steps (default 200)")

@@ -18,6 +18,7 @@ from shared.protocol import FinishReason, Tokens, TopLogprob
 from worker import metrics
 from worker.engine.model import DecoderModel
 from worker.grammar import GrammarEngine, error_text
+from worker.reasoning_budget import ReasoningBudget, ReasoningMarkers
 from worker.speculation import Drafter, SpeculationSettings, StreamSpeculation
 from worker.stream import Finish, Send, Stream
 
@@ -34,6 +35,8 @@ class Decoding:
         self.send = send
         self.finish = finish
         self.speculation = speculation if speculation is not None and speculation.on else None
+        # the model's reasoning markers, which reasoning budgets close blocks with (set by the server)
+        self.reasoning: ReasoningMarkers | None = None
 
     # --- what a stream feeds ------------------------------------------------------------------
 
@@ -62,6 +65,14 @@ class Decoding:
             read = [*stream.request.prompt, *([] if stream.next_token is None else [stream.next_token])]
             stream.spec = StreamSpeculation(self.speculation.drafter(read, stream.slot.cache), self.speculation.kinds[0])
         return stream.spec
+
+    def budget_of(self, stream: Stream) -> ReasoningBudget | None:
+        """A stream's reasoning budget, begun at its first token; None where it has none (or the
+        model has no reasoning markers to close a block with)."""
+        budget = stream.request.reasoning_budget
+        if stream.budget is None and budget is not None and self.reasoning is not None:
+            stream.budget = ReasoningBudget(self.reasoning, budget, stream.request.prompt)
+        return stream.budget
 
     def passing(self, batch: list[tuple[Stream, list[int]]]) -> tuple[dict[int, int], dict[int, Drafter]]:
         """What a pass over the batch must give back besides each stream's last logits: the rows
@@ -158,8 +169,13 @@ class Decoding:
         if stream.matcher is not None and stream.grammar_active and stream.matcher.is_error():
             self.finish(stream, FinishReason.ERROR, f"the grammar matcher failed: {error_text(stream.matcher)}")
             return None
+        budget = self.budget_of(stream)
+        forced = budget.forced() if budget is not None else None
+        if forced is not None and allowed is not None and not allowed[forced]:
+            forced = None  # a grammar that holds the reasoning too, and does not let it close here
         try:
-            token = stream.sampler.sample(logits, allowed)
+            token = (stream.sampler.sample(logits, allowed) if forced is None
+                     else stream.sampler.force(logits, forced, allowed))
         except Exception as exc:
             log.exception("sampling failed for %s", request.request_id)
             self.finish(stream, FinishReason.ERROR, f"sampling failed: {exc}")
@@ -175,6 +191,8 @@ class Decoding:
                 grammar_done = stream.matcher.is_stopped()  # nothing but end-of-turn may follow
             elif token.token_id == self.grammar.think_close:
                 stream.grammar_active = True  # the reasoning block ended: the grammar starts now
+        if budget is not None:
+            budget.took(token.token_id)
         stream.completion += 1
         wants_logprobs = stream.params.logprobs or stream.params.top_logprobs
         self.send(stream.gateway, Tokens(

@@ -9,13 +9,17 @@ import os
 from kvstore.chunks import DEFAULT_CHUNK_TOKENS
 from shared import log_format
 from shared.command_line import CommaList, EnvParser, env_name, new_parser
+from shared.errors import InvalidRequestError
 from shared.protocol import DEFAULT_ENDPOINT, DEFAULT_QUEUE, HEARTBEAT_TIMEOUT
+from shared.sampling_params import SamplingDefaults
 from worker.speculation import SpeculationSettings
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=os.environ.get(env_name("--model")),
-                   help="GGUF model file (default: SmolLM2-135M-Instruct, fetched once) [env LMSERVE_MODEL]")
+                   help="GGUF model file (a split model's first part), a known name (lmserve models) or a "
+                        "Hugging Face Hub model, OWNER/REPO[:QUANT] or OWNER/REPO:FILE.gguf, fetched into the Hub's "
+                        "cache once (default: SmolLM2-135M-Instruct) [env LMSERVE_MODEL]")
     p.add_argument("--nanochat", metavar="DIR", default=None,
                    help="serve a nanochat checkpoint directory instead of a GGUF file (model.safetensors, "
                         "tokenizer.json, and config.json or nanochat's meta_*.json)")
@@ -91,15 +95,19 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens computed per step while other streams decode")
     p.add_argument("--spec", action=CommaList, default=list(SpeculationSettings.kinds), metavar="KIND,…",
                    help="speculative decoding: what drafts the tokens each weight pass verifies, ngram (a "
-                        "lookup in what the stream has read and written), or off. It never changes a token "
-                        f"of a reply (default {','.join(SpeculationSettings.kinds)})")
+                        "lookup in what the stream has read and written), draft (--draft MODEL), mtp (the "
+                        "model's own multi-token-prediction layers, Qwen3.5's), a list of them tried in "
+                        "order, or off. It never changes a token of a reply "
+                        f"(default {','.join(SpeculationSettings.kinds)})")
     p.add_argument("--draft", default=None, metavar="MODEL",
-                   help="a small model of the same vocabulary that drafts for --spec draft (a GGUF path or a "
-                        "known name); given, --spec defaults to ngram,draft")
+                   help="a small model of the same vocabulary that drafts for --spec draft (a GGUF path, a "
+                        "known name or OWNER/REPO[:QUANT] of the Hugging Face Hub); given, --spec defaults to "
+                        "ngram,draft")
     p.add_argument("--spec-max", type=int, default=SpeculationSettings.max_draft, metavar="N",
                    help=f"drafted tokens verified per pass at most (default {SpeculationSettings.max_draft})")
     p.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT,
                    help="seconds of silence after which a gateway's requests are ended")
+    add_sampling_flags(p)
     p.add_argument("--kv-store", default=None,
                    help="Redis URL of the kvstore (redis://host:6379/0): evicted KV spills there, "
                         "and any worker of the same model restores it")
@@ -115,6 +123,22 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="size bound of --kv-cache-dir, in full --ctx caches")
     p.add_argument("--kv-chunk", type=int, default=DEFAULT_CHUNK_TOKENS,
                    help="tokens per spilled KV chunk")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """What a request that leaves a sampling field unset samples with, over the model file's
+    recommendation (general.sampling.*); a request's own value wins over both."""
+    for flag, kind, what in (("--temperature", float, "temperature"), ("--top-p", float, "top_p"),
+                             ("--top-k", int, "top_k (0: off)"), ("--min-p", float, "min_p"),
+                             ("--repeat-penalty", float, "repetition penalty (1: off)")):
+        p.add_argument(flag, type=kind, default=None, metavar="X",
+                       help=f"the default {what} of requests that send none (default: the model file's "
+                            f"general.sampling recommendation, else the API's)")
+
+
+def sampling_flags(args: argparse.Namespace) -> SamplingDefaults:
+    return SamplingDefaults(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            repetition_penalty=args.repeat_penalty)
 
 
 def add_wire_flags(p: argparse.ArgumentParser) -> None:
@@ -140,6 +164,12 @@ def check_worker_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         p.error("--rag-docs and --rag-chunks must be at least 1")
     if not args.rag_margin >= 0:
         p.error("--rag-margin must be 0 or more")
+    if args.top_p == 0:
+        p.error("--top-p must be in (0, 1]")
+    try:
+        sampling_flags(args).params()
+    except InvalidRequestError as exc:
+        p.error(f"a sampling flag is out of range: {exc.message}")
 
 
 def build_parser() -> EnvParser:

@@ -22,7 +22,7 @@ from worker.cartridges.cartridge import Cartridge
 from worker.cartridges.fleet import Fleet, Retrieval
 from worker.engine import Engine, kernels
 from worker.engine.compile_ahead import describe
-from worker.flags import build_parser, check_worker_flags, metrics_host, model_argument
+from worker.flags import build_parser, check_worker_flags, metrics_host, model_argument, sampling_flags
 from worker.kv_spill import KVSpiller
 from worker.scheduler import SchedulerSettings, resident_slot_count
 from worker.scripted import ScriptedReplies
@@ -34,16 +34,31 @@ KV_MEMORY_SHARE = 0.5  # of the memory available at start, for --kv-slots full c
 AUTO_SLOTS = (4, 16)  # the fewest and most resident caches --kv-slots 0 chooses
 
 
-def available_memory() -> int:
-    """Bytes of memory available to this process now (MemAvailable, else all physical memory)."""
+def available_memory(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int:
+    """Bytes of memory available to this process now: the machine's (MemAvailable, else all
+    physical memory), or less where its control group's limit leaves less (a container's limit,
+    which /proc/meminfo does not show)."""
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
-        with open("/proc/meminfo") as fh:
+        with open(meminfo) as fh:
             for line in fh:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    machine = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # cgroup v2 (memory.max, memory.current), else v1 (memory.limit_in_bytes, memory.usage_in_bytes)
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(cgroup, limit_file).read_text().strip()
+            used = int(Path(cgroup, usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < machine + used:  # "max", or v1's huge number: no limit
+            return max(0, min(machine, int(limit) - used))
+        return machine
+    return machine
 
 
 def context_budget(engine: Engine, kv_slots: int, memory: int, log: logging.Logger) -> int:
@@ -204,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         server = WorkerServer(engine, WorkerSettings(
             spiller=spiller, chat_template=_read_template(args.chat_template),
             endpoint=args.worker, heartbeat_timeout=args.heartbeat_timeout, wire=wire,
+            sampling=sampling_flags(args),
             scheduler=SchedulerSettings(ctx=ctx, queue=args.queue, batch=args.batch,
                                         kv_slots=kv_slots,
                                         prefill_chunk=args.prefill_chunk, threads=threads,

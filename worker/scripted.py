@@ -102,15 +102,27 @@ class ScriptedSampler(Sampler):
         self.then_sample = False
 
     def sample(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> SampledToken:
+        queue = self.reply()
+        if not queue and self.then_sample:
+            return super().sample(logits, allowed)
+        return super().force(logits, queue.popleft() if queue else self.script.end_id, allowed)
+
+    def force(self, logits: np.ndarray, token: int, allowed: np.ndarray | None = None) -> SampledToken:
+        """A token the worker forces (a reasoning budget's closing marker) cuts the script's
+        reasoning short: the script skips to just after its own writing of that token, so the
+        answer it scripted follows the forced close (a script that never writes the token is
+        over: the model goes on by itself, or ends its turn)."""
+        queue = self.reply()
+        while queue and queue.popleft() != token:
+            pass
+        return super().force(logits, token, allowed)
+
+    def reply(self) -> deque[int]:
+        """The scripted tokens still to say (the reply is chosen at the first step)."""
         if self.queue is None:
             reply = self.script.take(self.prompt)
             self.queue, self.then_sample = deque(reply.ids), reply.then_sample
-        if not self.queue and self.then_sample:
-            return super().sample(logits, allowed)
-        token = self.queue.popleft() if self.queue else self.script.end_id
-        logprob, top = self.logprobs(self.adjusted_logits(logits, allowed), token)
-        self.accept(token)
-        return SampledToken(token, logprob, top)
+        return self.queue
 
 
 def end_of_turn_id(tokenizer: Tokenizer) -> int:

@@ -3,7 +3,8 @@
 The main thread does all socket IO (ZeroMQ sockets are not thread-safe); the scheduler runs
 the engine on its own thread (numpy's BLAS releases the GIL) and hands outgoing messages back
 through an in-process PUSH/PULL pair, so a long forward pass never delays an ABORT, a
-heartbeat or a BUSY answer.
+heartbeat or a BUSY answer. Embedding requests (worker/embeddings.py) run on the same engine
+thread, between the scheduler's steps.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -28,10 +29,11 @@ from shared.protocol import (
     VERSION_MISMATCH,
     Abort,
     Capabilities,
+    Embed,
     Generate,
     Heartbeat,
     Hello,
-    InvalidGenerate,
+    InvalidRequestMessage,
     Message,
     ModelCard,
     ProtocolError,
@@ -39,13 +41,18 @@ from shared.protocol import (
     decode,
     version_mismatch_message,
 )
+from shared.conventions.registry import get as registered_convention
 from shared.errors import InvalidRequestError
+from shared.sampling_params import SamplingDefaults
 from shared.wire_security import ServerKeys, secure_server
 from worker.capabilities import convention, has_reasoning_switch, tool_call_tags
+from worker.embeddings import Embedder
 from worker.engine import Engine
 from worker.grammar import GrammarEngine
 from worker.cartridges.choice import CartridgeChoice
 from worker.kv_spill import KVSpiller
+from worker.model_facts import model_facts, sampling_defaults
+from worker.reasoning_budget import ReasoningMarkers
 from worker.scheduler import Scheduler, SchedulerSettings
 
 log = logging.getLogger("lmserve.worker")
@@ -60,6 +67,8 @@ class WorkerSettings:
     spiller: KVSpiller | None = None
     chat_template: str | None = None  # --chat-template: replaces the file's own (or supplies one)
     wire: ServerKeys | None = None  # CURVE keys: the wire encrypted, answering only allowed gateways
+    # --temperature, --top-p, --top-k, --min-p, --repeat-penalty: over the file's recommendation
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def __post_init__(self) -> None:
         if self.scheduler is None:
@@ -90,6 +99,11 @@ class WorkerServer:
         self.scheduler = Scheduler(engine, settings.scheduler, self._send_from_any_thread, settings.spiller,
                                    self.grammar, self.cartridges)
         self.scheduler.wake_io = self._wake_io
+        self.scheduler.decoding.reasoning = ReasoningMarkers.of(
+            engine.tokenizer, registered_convention(self.card.capabilities.convention))
+        self.embedder = Embedder(engine, sched.ctx, sched.queue, sched.prefill_chunk, self._send_from_any_thread,
+                                 self.scheduler.wakeup.set)
+        self.scheduler.between_steps = self.embedder.run_pending
         self.gateways: dict[bytes, float] = {}  # identity -> last time heard from
         self.greeted: set[bytes] = set()  # gateways that said HELLO to this instance
         # The card is packed once (its tokenizer spec is megabytes), and a gateway gets it at most
@@ -109,7 +123,8 @@ class WorkerServer:
             context_budget=sched.ctx - self.cartridges.prefix, n_vocab=engine.model.hp.n_vocab,
             tokenizer=engine.tokenizer.to_spec(),
             chat_template=template.source if template else None,
-            fingerprint=engine.fingerprint, instance=self.instance,
+            fingerprint=engine.fingerprint, instance=self.instance, facts=model_facts(engine),
+            sampling=self.settings.sampling.over(sampling_defaults(engine.metadata)),
             capabilities=Capabilities(
                 context_length=engine.model.hp.context_length,
                 reasoning_tags=convention(engine.tokenizer, template).reasoning,
@@ -190,7 +205,7 @@ class WorkerServer:
     def _handle(self, identity: bytes, frames: list[bytes]) -> None:
         try:
             message = decode(frames)
-        except InvalidGenerate as exc:  # a request after all: its gateway hears why it is refused
+        except InvalidRequestMessage as exc:  # a request after all: its gateway hears why it is refused
             self.gateways[identity] = time.monotonic()
             self.router.send_multipart([identity, *Rejected(exc.request_id, 400, InvalidRequestError.kind,
                                                             exc.message).frames()])
@@ -212,15 +227,19 @@ class WorkerServer:
             self.carded[identity] = now
             log.info("gateway %s connected", message.gateway or identity.hex())
             self.router.send_multipart([identity, *self.card_frames])
-        elif isinstance(message, Generate):
+        elif isinstance(message, (Generate, Embed)):
             if identity not in self.greeted:
                 self.router.send_multipart([identity, *Rejected(
                     message.request_id, 503, HELLO_FIRST,
                     "this worker has not been greeted by your gateway (it restarted); say HELLO first").frames()])
                 return
-            self.scheduler.submit(identity, message)
+            if isinstance(message, Generate):
+                self.scheduler.submit(identity, message)
+            else:
+                self.embedder.submit(identity, message)
         elif isinstance(message, Abort):
             self.scheduler.abort(identity, message.request_id)
+            self.embedder.abort(identity, message.request_id)
         elif isinstance(message, Heartbeat):
             pass  # being heard from is the whole point
         else:
@@ -236,9 +255,9 @@ class WorkerServer:
                 del self.gateways[identity]
                 self.greeted.discard(identity)
                 self.carded.pop(identity, None)
-                ended = self.scheduler.abort_gateway(
-                    identity, f"the worker heard nothing from this gateway for "
-                              f"{self.settings.heartbeat_timeout:g} s and ended its streams")
+                why = (f"the worker heard nothing from this gateway for {self.settings.heartbeat_timeout:g} s "
+                       "and ended its streams")
+                ended = self.scheduler.abort_gateway(identity, why) + self.embedder.abort_gateway(identity, why)
                 log.warning("gateway %s went silent; ended its %d request(s)", identity.hex(), ended)
                 continue
             self.router.send_multipart([identity, *beat])

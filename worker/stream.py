@@ -23,6 +23,7 @@ from worker.engine import Engine
 from worker.engine.sampling import Sampler
 from worker.kv_slots import Slot
 from worker.scoring import MAX_PROMPT_ALTERNATIVES
+from worker.reasoning_budget import ReasoningBudget
 from worker.scripted import ScriptedReplies
 from worker.speculation import StreamSpeculation
 
@@ -53,6 +54,7 @@ class Stream:
     writer: CanvasWriter | None = None
     rng: np.random.Generator | None = None  # a text-diffusion stream's canvases and draws
     spec: StreamSpeculation | None = None  # its speculative decoding, once it decodes with drafts
+    budget: ReasoningBudget | None = None  # its reasoning budget's count, once it decodes with one
 
     @property
     def prefix(self) -> int:
@@ -119,6 +121,8 @@ def open_stream(gateway: bytes, request: Generate, engine: Engine, ctx: int, car
             f"(the context budget --ctx is {ctx} tokens{held}, prompt and completion together)")
     if (cartridge is not None or retrieve) and request.prompt_logprobs >= 0:
         raise InvalidRequestError("a prompt is not scored behind a cartridge (prompt_logprobs)")
+    if request.reasoning_budget is not None and request.reasoning_budget < 1:
+        raise InvalidRequestError("reasoning_budget must be at least 1 token (or none)")
     if request.grammar is not None and not grammars:
         raise InvalidRequestError("constrained decoding (grammar) is not available in this worker")
     params = request.sampling

@@ -19,6 +19,7 @@ from typing import Any
 
 from gateway import sse
 from gateway.dialects.common import (
+    chat_template_kwargs,
     GRAMMAR_FIELD,
     grammar_extension,
     json_format_grammar,
@@ -42,6 +43,7 @@ from gateway.neutral import (
     ReasoningDelta,
     Started,
     TextDelta,
+    ToolCallAbandoned,
     ToolCallArgumentsDelta,
     ToolCallStart,
     ToolChoice,
@@ -58,16 +60,16 @@ from gateway.request_fields import (
     media_placeholder,
     number_in,
     refuse_media,
-    reject_unknown,
+    unknown_fields,
 )
 from shared.errors import InvalidRequestError, LmserveError
-from shared.sampling_params import SamplingParams
 
 HONORED = {
     "cartridges",
     "speculation",
     "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p",
     "top_k", "tools", "tool_choice", "thinking", "output_config", "output_format", "grammar",
+    "chat_template_kwargs",
 }
 # Every other field of the current and beta MessageCreateParams: accepted so that a client
 # sending them (Claude Code sends several) is never refused, and otherwise without effect.
@@ -75,6 +77,20 @@ IGNORED = {
     "metadata", "service_tier", "cache_control", "container", "diagnostics", "inference_geo", "speed",
     "user_profile_id", "workspace_id", "context_management", "mcp_servers", "compaction", "betas",
     "billing_policy", "fallback_credit_token", "fallbacks", "thread",
+}
+
+MESSAGE_FIELDS = {"role", "content"}
+# The fields of each block type this server reads; a block of a type not here (server tools'
+# blocks, and whatever Anthropic adds next) is not checked at all.
+_CACHED = {"type", "cache_control"}
+BLOCK_FIELDS = {
+    "text": _CACHED | {"text", "citations"},
+    "image": _CACHED | {"source"},
+    "document": _CACHED | {"source", "title", "context", "citations"},
+    "tool_use": _CACHED | {"id", "name", "input", "caller"},
+    "tool_result": _CACHED | {"tool_use_id", "content", "is_error"},
+    "thinking": {"type", "thinking", "signature"},
+    "redacted_thinking": {"type", "data"},
 }
 
 THINKING_ON = ("enabled", "adaptive", "between_tools")
@@ -118,28 +134,31 @@ def count_tokens(body: dict[str, Any], view: ModelView, headers: Any) -> int:
 
 
 def _parse(body: dict[str, Any], view: ModelView, headers: Any, counting: bool) -> NeutralRequest:
-    reject_unknown(body, HONORED | IGNORED)
+    unknown_fields(body, HONORED | IGNORED)
     # count_tokens has no max_tokens; a generation must say how long it may be.
     max_tokens = None if counting else _max_tokens(body)
     grammar = _output_format(body)
-    reasoning, display, effort = _thinking(body, view)
+    reasoning, display, effort, budget = _thinking(body, view)
+    template_kwargs, reasoning = chat_template_kwargs(body, view, reasoning)
     messages, prefill = _conversation(body)
     return NeutralRequest(
         dialect=ANTHROPIC,
         model=field(body, "model", str, default=view.model_id),
         messages=messages,
         max_tokens=max_tokens,
-        sampling=SamplingParams(
-            temperature=number_in(body, "temperature", 0, 1, default=1.0),
-            # top_p 0 would leave no token to sample; the smallest positive value means greedy
-            top_p=number_in(body, "top_p", 0, 1, default=1.0) or 1e-9,
-            top_k=number_in(body, "top_k", 0, 1 << 20, integer=True, default=0)),
+        # what the body leaves out takes the model's defaults
+        sampling=view.card.sampling.params(
+            temperature=number_in(body, "temperature", 0, 1),
+            top_p=number_in(body, "top_p", 0, 1),
+            top_k=number_in(body, "top_k", 0, 1 << 20, integer=True)),
         stop=stop_list(body.get("stop_sequences"), "stop_sequences"),
         tools=[tool for i, t in enumerate(field(body, "tools", list, default=[]))
                if (tool := _tool(t, i)) is not None],
         tool_choice=_tool_choice(body),
         reasoning=reasoning,
         reasoning_effort=effort if reasoning else None,
+        reasoning_budget=budget if reasoning else None,
+        template_kwargs=template_kwargs,
         prefill=prefill,
         stream=bool(field(body, "stream", bool, default=False)),
         cache_hint=headers.get("x-claude-code-session-id") if headers is not None else None,
@@ -183,26 +202,30 @@ def _output_format(body: dict[str, Any]) -> dict[str, str] | None:
     return one_constraint(*formats, (GRAMMAR_FIELD, grammar_extension(body)))
 
 
-def _thinking(body: dict[str, Any], view: ModelView) -> tuple[bool, str | None, str | None]:
-    """Whether to open the reasoning channel, the requested thinking display, and how hard to
-    think: output_config.effort, else the thinking budget as an effort word, else None.
+def _thinking(body: dict[str, Any], view: ModelView) -> tuple[bool, str | None, str | None, int | None]:
+    """Whether to open the reasoning channel, the requested thinking display, how hard to
+    think (output_config.effort, else the thinking budget as an effort word, else None) and the
+    thinking budget in tokens (None: none given; the effort's budget then holds).
 
     Asking a model without a reasoning channel to think is a no-op, never an error: Claude Code
     asks for thinking on every request to a Claude-4-style model name.
     """
     thinking = field(body, "thinking", dict)
     if thinking is None:
-        return False, None, None
+        return False, None, None, None
     kind = field(thinking, "type", str, "thinking", required=True)
     if kind not in THINKING_TYPES:
         raise InvalidRequestError(f"'thinking.type' must be one of {', '.join(THINKING_TYPES)}, got {kind!r}",
                                   param="thinking.type")
     budget = field(thinking, "budget_tokens", int, "thinking")
+    if budget is not None and budget < 1:
+        raise InvalidRequestError(f"'thinking.budget_tokens' must be at least 1, got {budget}",
+                                  param="thinking.budget_tokens")
     display = field(thinking, "display", str, "thinking")
     effort = field(field(body, "output_config", dict, default={}), "effort", str, "output_config")
     if effort is None and budget is not None:
         effort = next(word for least, word in BUDGET_EFFORTS if budget >= least)
-    return kind in THINKING_ON and view.has_reasoning_channel, display, effort
+    return kind in THINKING_ON and view.has_reasoning_channel, display, effort, budget
 
 
 # --- messages -------------------------------------------------------------------------------
@@ -249,6 +272,7 @@ def _turns(message: Any, i: int, current: bool = False) -> list[dict[str, Any]]:
     one ``tool`` message per result, then the user's own text (if any)."""
     where = f"messages[{i}]"
     check_type(message, dict, where)
+    unknown_fields(message, MESSAGE_FIELDS, where)
     role = field(message, "role", str, where, required=True)
     if role not in ROLES:
         raise InvalidRequestError(f"'{where}.role' must be user, assistant or system, got {role!r}",
@@ -304,7 +328,10 @@ def _typed_blocks(content: Any, where: str) -> Iterator[tuple[str, dict[str, Any
     for i, block in enumerate(content):
         path = f"{where}[{i}]"
         check_type(block, dict, path)
-        yield path, block, field(block, "type", str, path, required=True)
+        kind = field(block, "type", str, path, required=True)
+        if kind in BLOCK_FIELDS:
+            unknown_fields(block, BLOCK_FIELDS[kind], path)
+        yield path, block, kind
 
 
 def _require_role(role: str, wanted: str, kind: str, path: str) -> None:
@@ -511,6 +538,10 @@ async def stream(request: NeutralRequest, view: ModelView, events: AsyncIterator
             elif isinstance(event, ToolCallArgumentsDelta):
                 yield emit("content_block_delta", {"index": index, "delta": {
                     "type": "input_json_delta", "partial_json": event.json_fragment}})
+            elif isinstance(event, ToolCallAbandoned):
+                # a call that did not finish as one ends where it stopped; its text follows
+                for chunk in close_block():
+                    yield chunk
             elif isinstance(event, Ping):
                 yield emit("ping", {})
             elif isinstance(event, Finish):

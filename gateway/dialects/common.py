@@ -10,6 +10,7 @@ from typing import Any
 from gateway.neutral import AUTO, CUSTOM, NAMED, NONE, REQUIRED, TokenLogprob, ToolChoice
 from gateway.prompting import ModelView
 from gateway.request_fields import check_type, field, number_in
+from shared.chat_template import SERVER_VARIABLES
 from shared.errors import InvalidRequestError
 from shared.sampling_params import SamplingParams
 
@@ -41,18 +42,44 @@ def reasoning_from_effort(effort: str | None, view: ModelView, param: str, rejec
     return False
 
 
+def chat_template_kwargs(body: dict[str, Any], view: ModelView, reasoning: bool) -> tuple[dict[str, Any], bool]:
+    """``chat_template_kwargs`` (vLLM's and llama-server's field: ``{"enable_thinking": false}``
+    for Qwen3) checked against the variables the model's template reads, and the request's
+    reasoning as they leave it: the template's reasoning switch, set here, decides it."""
+    kwargs = field(body, "chat_template_kwargs", dict, default={})
+    if not kwargs:
+        return {}, reasoning
+    template = view.template
+    reads = template.reads - SERVER_VARIABLES if template is not None else frozenset()
+    for key in sorted(kwargs):
+        param = f"chat_template_kwargs.{key}"
+        if key in SERVER_VARIABLES:
+            raise InvalidRequestError(f"'{param}' is a variable the server sets itself "
+                                      f"({', '.join(sorted(SERVER_VARIABLES))}); it cannot come from a request",
+                                      param=param)
+        if key not in reads:
+            raise InvalidRequestError(
+                f"'{param}': the model's chat template never reads {key!r}; it reads "
+                + (", ".join(sorted(reads)) if reads else "no variable a request may set"), param=param)
+    switch = view.convention.reasoning_switch
+    if isinstance(kwargs.get(switch), bool):
+        reasoning = kwargs[switch] and view.has_reasoning_channel
+    return kwargs, reasoning
+
+
 def openai_sampling(body: dict[str, Any], view: ModelView, logprobs: bool, top_logprobs: int) -> SamplingParams:
     """The sampling fields OpenAI's Chat Completions and text completions share (and the
-    extensions both take: top_k, min_p, repetition_penalty)."""
-    return SamplingParams(
-        temperature=number_in(body, "temperature", 0, 2, default=1.0),
-        top_p=number_in(body, "top_p", 0, 1, default=1.0) or 1e-9,
-        top_k=number_in(body, "top_k", 0, 1 << 20, integer=True, default=0),
-        min_p=number_in(body, "min_p", 0, 1, default=0.0),
+    extensions both take: top_k, min_p, repetition_penalty); those the body leaves out take
+    the model's defaults (its MODEL_CARD's, shared.sampling_params.SamplingDefaults)."""
+    return view.card.sampling.params(
+        temperature=number_in(body, "temperature", 0, 2),
+        top_p=number_in(body, "top_p", 0, 1),
+        top_k=number_in(body, "top_k", 0, 1 << 20, integer=True),
+        min_p=number_in(body, "min_p", 0, 1),
         seed=field(body, "seed", int),
         presence_penalty=number_in(body, "presence_penalty", -2, 2, default=0.0),
         frequency_penalty=number_in(body, "frequency_penalty", -2, 2, default=0.0),
-        repetition_penalty=number_in(body, "repetition_penalty", 0.01, 10, default=1.0),
+        repetition_penalty=number_in(body, "repetition_penalty", 0.01, 10),
         logit_bias=logit_bias_field(body, view), logprobs=logprobs, top_logprobs=top_logprobs)
 
 

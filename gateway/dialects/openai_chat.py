@@ -10,6 +10,7 @@ from typing import Any
 
 from gateway import sse
 from gateway.dialects.common import (
+    chat_template_kwargs,
     GRAMMAR_FIELD,
     grammar_extension,
     json_format_grammar,
@@ -46,7 +47,7 @@ from gateway.request_fields import (
     field,
     last_user_index,
     number_in,
-    reject_unknown,
+    unknown_fields,
     text_of_parts,
 )
 from shared.errors import InvalidRequestError, LmserveError
@@ -58,7 +59,7 @@ HONORED = {
     "min_p", "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "logit_bias", "logprobs", "top_logprobs", "n", "stream", "stream_options", "reasoning_effort",
     "tools", "tool_choice", "parallel_tool_calls", "response_format", "prompt_cache_key", "grammar",
-    "ignore_eos",
+    "ignore_eos", "chat_template_kwargs",
 }
 IGNORED = {
     "user", "safety_identifier", "metadata", "store", "service_tier", "prompt_cache_retention",
@@ -82,7 +83,7 @@ class ChatEcho:
 
 
 def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest:
-    reject_unknown(body, HONORED | IGNORED | REJECTED)
+    unknown_fields(body, HONORED | IGNORED | REJECTED)
     for key in REJECTED:
         if key in body:
             raise InvalidRequestError(f"'{key}' is the retired function-calling style; send 'tools' instead", param=key)
@@ -102,6 +103,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
     sampling = openai_sampling(body, view, logprobs, top_logprobs)
     effort = field(body, "reasoning_effort", str)
     reasoning = reasoning_from_effort(effort, view, "reasoning_effort", reject_unsupported=True)
+    template_kwargs, reasoning = chat_template_kwargs(body, view, reasoning)
     return NeutralRequest(
         dialect=CHAT,
         model=field(body, "model", str, default=view.model_id),
@@ -114,6 +116,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
                                        bool(field(body, "parallel_tool_calls", bool, default=True))),
         reasoning=reasoning,
         reasoning_effort=effort if reasoning else None,
+        template_kwargs=template_kwargs,
         stream=stream,
         ignore_eos=bool(field(body, "ignore_eos", bool, default=False)),
         cache_hint=field(body, "prompt_cache_key", str),
@@ -142,7 +145,7 @@ def _message(message: Any, i: int, current: bool = False) -> dict[str, Any]:
     answered."""
     where = f"messages[{i}]"
     check_type(message, dict, where)
-    reject_unknown(message, MESSAGE_FIELDS, where)
+    unknown_fields(message, MESSAGE_FIELDS, where)
     role = field(message, "role", str, where, required=True)
     if role == "developer":
         role = "system"

@@ -44,7 +44,7 @@ from gateway.neutral import (
     usage_extras,
 )
 from gateway.prompting import ModelView
-from gateway.request_fields import cartridges_field, speculation_field, check_type, field, number_in, reject_unknown
+from gateway.request_fields import cartridges_field, speculation_field, check_type, field, number_in, unknown_fields
 from shared.errors import InvalidRequestError, LmserveError
 
 HONORED = {
@@ -67,7 +67,7 @@ class CompletionsEcho:
 
 
 def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest:
-    reject_unknown(body, HONORED | IGNORED)
+    unknown_fields(body, HONORED | IGNORED)
     for key in ("n", "best_of"):
         if field(body, key, int, default=1) != 1:
             raise InvalidRequestError(f"'{key}' must be 1: this server returns one completion per request", param=key)

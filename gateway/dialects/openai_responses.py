@@ -38,6 +38,7 @@ from typing import Any
 
 from gateway import sse
 from gateway.dialects.common import (
+    chat_template_kwargs,
     EFFORT_OFF,
     GRAMMAR_FIELD,
     GRAMMAR_SYNTAXES,
@@ -52,7 +53,7 @@ from gateway.dialects.common import (
 )
 from gateway.dialects import RESPONSES
 from gateway.errors import error_body
-from gateway.generation import Completion
+from gateway.generation import Completion, prepare
 from gateway.neutral import (
     Event,
     Finish,
@@ -61,6 +62,7 @@ from gateway.neutral import (
     Ping,
     ReasoningDelta,
     TextDelta,
+    ToolCallAbandoned,
     ToolCallArgumentsDelta,
     ToolCallEnd,
     ToolCallStart,
@@ -75,24 +77,25 @@ from gateway.request_fields import (
     field,
     last_user_index,
     number_in,
-    reject_unknown,
+    unknown_fields,
     text_of_parts,
 )
 from shared.errors import InvalidRequestError, LmserveError
-from shared.sampling_params import SamplingParams
 
 HONORED = {
     "cartridges",
     "speculation",
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "top_logprobs",
     "reasoning", "text", "tools", "tool_choice", "parallel_tool_calls", "stream", "store", "include",
-    "prompt_cache_key", "metadata", "truncation", "background", "grammar", "ignore_eos",
+    "prompt_cache_key", "metadata", "truncation", "background", "grammar", "ignore_eos", "chat_template_kwargs",
 }
 IGNORED = {
     "user", "safety_identifier", "client_metadata", "service_tier", "stream_options",
     "prompt_cache_retention", "prompt_cache_options", "max_tool_calls", "context_management",
 }
 REJECTED = {"previous_response_id", "conversation", "prompt"}  # they need state we never keep
+# what POST /v1/responses/input_tokens takes beside a Responses body's fields (the SDK sends it)
+INPUT_TOKENS_IGNORED = {"personality"}
 
 TEXT_PARTS = ("input_text", "output_text")
 SKIPPED_ITEMS = {"item_reference", "compaction", "compaction_trigger"}
@@ -203,7 +206,7 @@ def _echo(request: NeutralRequest) -> ResponsesEcho:
 
 
 def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest:
-    reject_unknown(body, HONORED | IGNORED | REJECTED)
+    unknown_fields(body, HONORED | IGNORED | REJECTED)
     for key in sorted(REJECTED):
         if body.get(key) is not None:
             raise InvalidRequestError(
@@ -247,16 +250,18 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
     for i, entry in enumerate(include):
         check_type(entry, str, f"include[{i}]")
     top_logprobs = number_in(body, "top_logprobs", 0, 20, integer=True, default=0)
-    temperature = number_in(body, "temperature", 0, 2, default=1.0)
-    top_p = number_in(body, "top_p", 0, 1, default=1.0)
-    sampling = SamplingParams(temperature=temperature, top_p=top_p or 1e-9,
-                              logprobs=LOGPROBS_INCLUDE in include or top_logprobs > 0,
-                              top_logprobs=top_logprobs)
+    # what the body leaves out takes the model's defaults; the reply echoes the values sampled with
+    sampling = view.card.sampling.params(temperature=number_in(body, "temperature", 0, 2),
+                                         top_p=number_in(body, "top_p", 0, 1),
+                                         logprobs=LOGPROBS_INCLUDE in include or top_logprobs > 0,
+                                         top_logprobs=top_logprobs)
+    temperature, top_p = sampling.temperature, sampling.top_p
 
     reasoning_knobs = field(body, "reasoning", dict, default={})
     effort = field(reasoning_knobs, "effort", str, "reasoning")
     field(reasoning_knobs, "summary", str, "reasoning")
     reasoning = reasoning_from_effort(effort, view, "reasoning.effort", reject_unsupported=False)
+    template_kwargs, reasoning = chat_template_kwargs(body, view, reasoning)
     honoured_effort = effort if reasoning or effort in EFFORT_OFF else None
 
     tool_choice = body.get("tool_choice", "auto")
@@ -286,6 +291,7 @@ def parse(body: dict[str, Any], view: ModelView, headers: Any) -> NeutralRequest
         tools=tools.template_tools(),
         tool_choice=openai_tool_choice(tool_choice, parallel),
         reasoning=reasoning,
+        template_kwargs=template_kwargs,
         reasoning_effort=effort if reasoning else None,
         stream=bool(field(body, "stream", bool, default=False)),
         ignore_eos=bool(field(body, "ignore_eos", bool, default=False)),
@@ -410,6 +416,14 @@ def _arguments(arguments: str) -> Any:
         return arguments  # the template shows it verbatim
 
 
+def input_tokens(body: dict[str, Any], view: ModelView, headers: Any) -> int:
+    """``POST /v1/responses/input_tokens``: the prompt length a Responses request with this body
+    would run (the same parse, the same rendering), what its ``usage.input_tokens`` reports."""
+    field(body, "personality", str)  # a style preset of OpenAI's models: nothing here to apply
+    request = {key: value for key, value in body.items() if key not in INPUT_TOKENS_IGNORED}
+    return len(prepare(view, parse(request, view, headers))[1])
+
+
 # --- rendering ------------------------------------------------------------------------------
 
 def _usage(usage: Usage) -> dict[str, Any]:
@@ -522,6 +536,7 @@ class _ResponseStream:
         self.output: list[dict[str, Any]] = []
         self.open: _OpenItem | None = None
         self.calls: dict[int, tuple[int, dict[str, Any]]] = {}  # call index -> (output index, added item)
+        self.added = 0  # output items added, an abandoned call's included: the next one's output_index
 
     def event(self, kind: str, **payload: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **payload}
@@ -551,8 +566,8 @@ class _ResponseStream:
         return out
 
     def start(self, kind: str) -> list[bytes]:
-        item = self.open = _OpenItem(kind, new_id("rs_" if kind == "reasoning" else "msg_"),
-                                     len(self.output))
+        item = self.open = _OpenItem(kind, new_id("rs_" if kind == "reasoning" else "msg_"), self.added)
+        self.added += 1
         return [self.event("response.output_item.added", output_index=item.index,
                            item=_item(kind, item.item_id, "in_progress", [])),
                 self.event("response.content_part.added", item_id=item.item_id, output_index=item.index,
@@ -575,16 +590,18 @@ class _ResponseStream:
                 self.event("response.output_item.done", output_index=item.index, item=done)]
 
     def call_start(self, call: ToolCallStart) -> list[bytes]:
-        # A call arrives whole (start, fragments, end in a row), so it is the next item in order.
+        # A call streams alone (start, fragments, end or abandon in a row): the next item in order.
         out = self.close("completed")
         item = _call_item(self.request, call.call_id, call.name, None, "in_progress")
-        self.calls[call.index] = (len(self.output), item)
-        return out + [self.event("response.output_item.added", output_index=len(self.output), item=item)]
+        self.calls[call.index] = (self.added, item)
+        self.added += 1
+        return out + [self.event("response.output_item.added", output_index=self.calls[call.index][0], item=item)]
 
     def call_delta(self, delta: ToolCallArgumentsDelta) -> list[bytes]:
         index, started = self.calls[delta.index]
         if started["type"] != "function_call":
             return []  # a freeform tool's input is only known whole, at the end
+        started["arguments"] += delta.json_fragment
         return [self.event("response.function_call_arguments.delta", item_id=started["id"], output_index=index,
                            delta=delta.json_fragment)]
 
@@ -600,6 +617,13 @@ class _ResponseStream:
                    self.event("response.custom_tool_call_input.done", **where, input=item["input"])]
         self.output.append(item)
         return out + [self.event("response.output_item.done", output_index=index, item=item)]
+
+    def call_abandon(self, call: ToolCallAbandoned) -> list[bytes]:
+        """A call that did not finish as one: its item ends incomplete and stays out of the
+        response's output (its text follows as a message, as the whole reply has it)."""
+        index, started = self.calls.pop(call.index)
+        done = {**started, "status": "incomplete"} if started["type"] == "function_call" else started
+        return [self.event("response.output_item.done", output_index=index, item=done)]
 
     def finish(self, finish: Finish) -> list[bytes]:
         status = _terminal_status(finish)
@@ -637,6 +661,8 @@ async def stream(request: NeutralRequest, view: ModelView, events: AsyncIterator
                 chunks = response.call_delta(event)
             elif isinstance(event, ToolCallEnd):
                 chunks = response.call_end(event)
+            elif isinstance(event, ToolCallAbandoned):
+                chunks = response.call_abandon(event)
             elif isinstance(event, LogprobsDelta) and request.sampling.logprobs:
                 logprobs += logprob_entries(event.items)
             elif isinstance(event, Ping):

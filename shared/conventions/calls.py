@@ -8,9 +8,13 @@ dialect renders.
 
 Decisions a client may notice:
 
-- A call is announced only once its closing tag has arrived and its body reads as a call. A
-  call still open when the reply ends, or a body that does not read, comes back as the text the
-  model wrote, so a stream never carries half a call and never fails on one.
+- A call streams as it is written where its convention gives a reader of its body
+  (``CallSyntax.reader``, shared/conventions/call_streams.py): it is announced once its name is
+  known and its first argument's value has begun, and its arguments follow as fragments of the JSON the
+  finished call carries. The closing tag still decides: a body that does not read as a call
+  comes back as the text the model wrote, and one that was announced is first abandoned
+  (``ToolCallAbandoned``), as is a call still open when the reply ends. Without a reader a call
+  is announced whole, once closed.
 - In JSON bodies a raw line break cannot be part of a string, so one ends the string for this
   purpose: a call with an unterminated string is still closed by its tag (and returned as text)
   instead of swallowing the rest of the reply. (Gemma 4's strings, between ``<|"|>`` quotes, may
@@ -19,7 +23,8 @@ Decisions a client may notice:
   after the last one) is layout, not text: it is dropped, so no dialect shows an empty text part.
 - Arguments are re-serialized (``json.dumps``, non-ASCII kept) and handed out in several
   fragments, each cut where the text so far is a prefix a partial-JSON reader accepts (Anthropic's
-  SDK parses the accumulated fragments after every delta).
+  SDK parses the accumulated fragments after every delta). A call's index counts the calls
+  announced, abandoned ones included, so a client never merges two calls.
 - With parallel calls off, the reply ends after its first call (``limit``).
 """
 
@@ -31,7 +36,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shared.conventions.events import TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
+from shared.conventions.call_streams import BodyReader
+from shared.conventions.events import (
+    TextDelta,
+    ToolCallAbandoned,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from shared.conventions.reasoning import partial_suffix
 from shared.protocol import Tags
 
@@ -40,7 +52,7 @@ FRAGMENT_CHARS = 12  # about three tokens of JSON per arguments delta
 # loop on it forever inside a call.
 CALL_WHITESPACE = {"whitespace_pattern": r"[ \n]{0,2}"}
 
-ParsedEvent = TextDelta | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd
+ParsedEvent = TextDelta | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd | ToolCallAbandoned
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,8 @@ class CallSyntax:
     newline_ends_string: bool
     parse: Callable[[str], tuple[str, dict[str, Any]] | None]
     tags_are_text: bool = True  # False: the tags are control tokens, never shown (Inkling's)
+    # a new reader of a body as it is written, to stream the call; None: announced once closed
+    reader: Callable[[], BodyReader] | None = None
 
 
 class ToolCallParser:
@@ -63,6 +77,7 @@ class ToolCallParser:
         self.limit = limit
         self.syntax = syntax
         self.completed = 0
+        self.announced = 0  # calls announced, abandoned ones included: the next call's index
         self.inside = False
         # Outside a call: text held back because it may start a call tag, or is whitespace that
         # may precede one. Inside: the call's text so far, and how far it has been scanned.
@@ -73,6 +88,10 @@ class ToolCallParser:
         self.escaped = False
         self.gap = ""  # whitespace dropped before the open call, given back if it is not a call
         self.after_call = False  # whitespace right after a call is layout too
+        self.reader: BodyReader | None = None  # the open call's reader, if it streams
+        self.fed = 0  # how much of the body the reader has read
+        self.started: ToolCallStart | None = None  # the open call, once announced
+        self.sent = 0  # how much of the reader's arguments the stream has sent
 
     @property
     def done(self) -> bool:
@@ -90,6 +109,7 @@ class ToolCallParser:
         out: list[ParsedEvent] = []
         if not self.done:
             if self.inside:
+                self._abandon(out)
                 self._text(self.gap + self._as_text(self.body, closed=False), out)
             else:
                 self._text(self.held, out)
@@ -115,6 +135,8 @@ class ToolCallParser:
     def _open(self, gap: str) -> None:
         self.inside, self.gap = True, gap
         self.body, self.scanned, self.in_string, self.escaped = "", 0, False, False
+        self.reader = self.syntax.reader() if self.syntax.reader is not None else None
+        self.fed, self.started, self.sent = 0, None, 0
 
     def _read_call(self, text: str, out: list[ParsedEvent]) -> str:
         self.body += text
@@ -133,25 +155,77 @@ class ToolCallParser:
                 self.in_string = True
             elif char == ">" and body.endswith(self.tags.close, 0, i + 1):  # tags end with ">"
                 self.inside = False
-                self._close(body[:i + 1 - len(self.tags.close)], out)
+                raw = body[:i + 1 - len(self.tags.close)]
+                self._stream(raw, out)
+                self._close(raw, out)
                 return body[i + 1:]
             elif char == ">" and body.endswith(self.tags.open, 0, i + 1):
                 # A new call opens before this one closed: this one was never finished.
+                self._abandon(out)
                 self._text(self.gap + self._as_text(body[:i + 1 - len(self.tags.open)], closed=False), out)
                 self._open(gap="")
                 return body[i + 1:]
         self.scanned = len(body)
+        # what may be the start of a tag waits: a tag is no part of the body
+        self._stream(body[:len(body) - partial_suffix(body, (self.tags.close, self.tags.open))], out)
         return ""
+
+    def _stream(self, body: str, out: list[ParsedEvent]) -> None:
+        """Hands the body's new text to the call's reader; announces the call once it is ready
+        and sends what its arguments grew by."""
+        reader = self.reader
+        if reader is None or len(body) <= self.fed:
+            return
+        reader.feed(body[self.fed:])
+        self.fed = len(body)
+        if reader.broken:
+            return
+        if self.started is None and reader.ready and reader.name is not None and _value_begun(reader.arguments):
+            self.started = ToolCallStart(self.announced, secrets.token_hex(12), reader.name)
+            self.announced += 1
+            out.append(self.started)
+        if self.started is not None and len(reader.arguments) > self.sent:
+            out += self._deltas(self.started.index, reader.arguments[self.sent:])
+            self.sent = len(reader.arguments)
+
+    def _deltas(self, index: int, text: str) -> list[ParsedEvent]:
+        """Fragments of a call's arguments; what comes from their start at once (a whole body
+        in one piece) is cut as a whole call's is."""
+        pieces = json_fragments(text) if self.sent == 0 else [text]
+        return [ToolCallArgumentsDelta(index, piece) for piece in pieces]
+
+    def _abandon(self, out: list[ParsedEvent]) -> None:
+        """The announced call will not be finished: its body is text after all."""
+        if self.started is not None:
+            out.append(ToolCallAbandoned(self.started.index, self.started.call_id))
+        self.started, self.reader = None, None
 
     def _close(self, raw: str, out: list[ParsedEvent]) -> None:
         call = self.syntax.parse(raw)
         if call is None:
+            self._abandon(out)
             self._text(self.gap + self._as_text(raw, closed=True), out)
             self.gap = ""
             return
-        out.extend(call_events(self.completed, *call))
+        if self.started is None:
+            out.extend(call_events(self.announced, *call))
+            self.announced += 1
+        else:
+            out.extend(self._finish_started(*call))
         self.completed += 1
         self.after_call, self.gap = True, ""
+
+    def _finish_started(self, name: str, arguments: dict[str, Any]) -> list[ParsedEvent]:
+        """The rest of an announced call's arguments, and its end."""
+        started, self.started, reader, self.reader = self.started, None, self.reader, None
+        assert started is not None and reader is not None
+        arguments_json = json.dumps(arguments, ensure_ascii=False)
+        sent = reader.arguments[:self.sent]
+        out: list[ParsedEvent] = []
+        if arguments_json.startswith(sent) and len(arguments_json) > len(sent):
+            out += self._deltas(started.index, arguments_json[len(sent):])
+        # (a body its reader wrote otherwise, duplicate keys: the end carries the arguments as read)
+        return out + [ToolCallEnd(started.index, started.call_id, name, arguments_json)]
 
     def _as_text(self, raw: str, closed: bool) -> str:
         """A block that is not a call, as the text the model wrote."""
@@ -165,6 +239,12 @@ class ToolCallParser:
         if text:
             self.after_call = False
             out.append(TextDelta(text))
+
+
+def _value_begun(arguments: str) -> bool:
+    """The arguments hold more than an opening brace and a key: a call broken right there (``{"a": }``,
+    a common slip) is never announced, so it comes back as text alone, streamed or not."""
+    return arguments not in ("", "{") and not arguments.endswith(": ")
 
 
 def call_events(index: int, name: str, arguments: dict[str, Any]) -> list[ParsedEvent]:

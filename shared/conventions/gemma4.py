@@ -19,6 +19,7 @@ import re
 from typing import Any
 
 from shared.conventions.base import LEAD, Convention, Functions
+from shared.conventions.call_streams import GemmaCallReader
 from shared.conventions.calls import CallSyntax
 from shared.errors import InvalidRequestError
 from shared.protocol import Tags
@@ -287,7 +288,7 @@ def lark(tools: list[tuple[str, dict[str, Any]]], open_id: int, close_id: int, q
 
 
 # strings between quote tokens, which may hold line breaks; no escapes
-SYNTAX = CallSyntax(QUOTE, None, False, parse_call)
+SYNTAX = CallSyntax(QUOTE, None, False, parse_call, reader=lambda: GemmaCallReader(QUOTE, CALL_PREFIX))
 
 
 class Gemma4(Convention):

@@ -16,14 +16,15 @@ from typing import Any
 
 from shared.chat_template import ChatTemplate
 from shared.conventions.base import LEAD, Convention, Functions
+from shared.conventions.call_streams import JsonCallReader
 from shared.conventions.calls import CallSyntax, json_call_schema, parse_json_call
 from shared.protocol import Tags
 from shared.tokenizer import Tokenizer
 
 THINK = Tags("<think>", "</think>")
 CALLS = Tags("<tool_call>", "</tool_call>")
-# a JSON body: "</tool_call>" inside a string does not close the call
-SYNTAX = CallSyntax('"', "\\", True, parse_json_call)
+# a JSON body: "</tool_call>" inside a string does not close the call; it streams as it is written
+SYNTAX = CallSyntax('"', "\\", True, parse_json_call, reader=JsonCallReader)
 
 
 def lark(functions: Functions, tags: Tags, parallel: bool, optional: bool = False, lead: bool = False) -> str:

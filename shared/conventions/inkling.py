@@ -19,9 +19,9 @@ Decisions a client may notice:
 - Thinking blocks are reasoning, text blocks (and xml ones) text; reasoning and text stream as
   they arrive, holding back only what may be the start of a marker. No marker and no author
   name is ever shown. Two blocks of the same kind in a row are joined by a blank line.
-- A call block is handed on whole, when it closes, to the tool-call parser
+- A call block is handed on as it is written, its markers included, to the tool-call parser
   (``shared/conventions/calls.py``, tags ``<|content_invoke_tool_json|>`` and ``<|end_message|>``),
-  which announces it: JSON with a ``name`` and an object of ``args`` (``SYNTAX``). A malformed call, or one
+  which streams it: JSON with a ``name`` and an object of ``args`` (``SYNTAX``). A malformed call, or one
   cut off when the reply ends (max_tokens), comes back as the text of its body; on a request
   without tools a call block is text too.
 - A marker ends its block wherever it falls, inside a JSON string too: it is a control token,
@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shared.conventions.base import Convention, Functions
+from shared.conventions.call_streams import JsonCallReader
 from shared.conventions.calls import CallSyntax, parse_json_call
 from shared.conventions.events import ReasoningDelta, TextDelta
 from shared.conventions.reasoning import Splitter, partial_suffix
@@ -84,8 +85,8 @@ def template_effort(reasoning: bool, effort: str | None) -> str | None:
 
 class InklingBlocks:
     """The reasoning splitter of an Inkling model: feed the reply's text (markers kept); get
-    back reasoning and text, and each call block whole as the text its parser reads
-    (``CALL body END``), or as its plain body when ``calls`` is off."""
+    back reasoning and text, and each call block as the text its parser reads (``CALL body
+    END``, handed on as it comes), or whole as its plain body when ``calls`` is off."""
 
     def __init__(self, calls: bool, in_text: bool = False):
         self.calls = calls
@@ -125,7 +126,8 @@ class InklingBlocks:
         self._content(held, out)
         if self.state == _BODY and self.kind == CALL:
             # cut off: the parser's flush gives the body back as text
-            self._emit(CALL + self.body if self.calls else self.body, out, TEXT)
+            if not self.calls:
+                self._emit(self.body, out, TEXT)
             self.body = ""
         else:
             self._close(out)
@@ -147,8 +149,10 @@ class InklingBlocks:
             # not a name: a block written without its kind token, read as text
             text, self.name = self.name, ""
             self._open(TEXT)
-        if self.kind == CALL:
+        if self.kind == CALL and not self.calls:
             self.body += text
+        elif self.kind == CALL:
+            self._emit(text, out, TEXT)
         else:
             self._emit(text, out, self.kind)
 
@@ -157,6 +161,8 @@ class InklingBlocks:
             if self.state == _BODY:
                 self._close(out)  # a kind token inside a block starts another block
             self._open(marker)  # whatever stood before it was the author's name
+            if marker == CALL and self.calls:
+                self._emit(CALL, out, TEXT)
             return
         self._close(out)
         self.state, self.name = (_HEAD, "") if marker == MESSAGE_MODEL else (_BETWEEN, "")
@@ -170,7 +176,7 @@ class InklingBlocks:
             self._open(TEXT)
             self._emit(self.name, out, TEXT)
         elif self.state == _BODY and self.kind == CALL:
-            self._emit(CALL + self.body + END if self.calls else self.body, out, TEXT)
+            self._emit(END if self.calls else self.body, out, TEXT)
         self.state, self.kind, self.name, self.body = _BETWEEN, None, "", ""
 
     def _emit(self, text: str, out: list[TextDelta | ReasoningDelta], kind: str | None) -> None:
@@ -226,7 +232,8 @@ def lark(tokenizer: Tokenizer, functions: Functions, parallel: bool,
 
 
 # the block reader ends a call block at its marker, strings or not; the markers are never shown
-SYNTAX = CallSyntax(None, None, False, lambda raw: parse_json_call(raw, "args"), tags_are_text=False)
+SYNTAX = CallSyntax(None, None, False, lambda raw: parse_json_call(raw, "args"), tags_are_text=False,
+                    reader=lambda: JsonCallReader("args"))
 
 
 class Inkling(Convention):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared.conventions.base import Convention, Functions
+from shared.conventions.call_streams import CodeReader
 from shared.conventions.calls import CallSyntax
 from shared.conventions.hermes import THINK
 from shared.protocol import Tags
@@ -44,7 +45,8 @@ class Nanochat(Convention):
 
     def call_syntax(self, tools: list[dict[str, Any]], forced: list[dict[str, Any]] | None) -> CallSyntax:
         name, argument = calculator_call(forced or tools)
-        return CallSyntax(None, None, False, lambda raw: (name, {argument: raw}) if raw.strip() else None)
+        return CallSyntax(None, None, False, lambda raw: (name, {argument: raw}) if raw.strip() else None,
+                          reader=lambda: CodeReader(name, argument))
 
     def calls_lark(self, tokenizer: Tokenizer, functions: Functions, parallel: bool, optional: bool = False,
                    thinking: bool = False) -> str:

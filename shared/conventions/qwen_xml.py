@@ -33,6 +33,7 @@ from typing import Any
 
 from shared.chat_template import ChatTemplate
 from shared.conventions.base import LEAD, Functions
+from shared.conventions.call_streams import XmlCallReader
 from shared.conventions.calls import CallSyntax
 from shared.conventions.hermes import Hermes
 from shared.conventions.reasoning import ReasoningSplitter, Splitter
@@ -156,7 +157,8 @@ class QwenXml(Hermes):
     def call_syntax(self, tools: list[dict[str, Any]], forced: list[dict[str, Any]] | None) -> CallSyntax:
         # a value is read by its tool's schema (a string stays text)
         schemas = {tool["function"]["name"]: tool["function"].get("parameters") for tool in tools}
-        return CallSyntax(None, None, False, lambda raw: parse_call(raw, schemas))
+        return CallSyntax(None, None, False, lambda raw: parse_call(raw, schemas),
+                          reader=lambda: XmlCallReader(schemas, is_string, value_of))
 
     def calls_lark(self, tokenizer: Tokenizer, functions: Functions, parallel: bool, optional: bool = False,
                    thinking: bool = False) -> str:

@@ -6,6 +6,7 @@ redis-server, networks, NetworkPolicies, non-root read-only containers."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -104,7 +105,7 @@ def test_compose_commands_and_environment_are_real_flags(monkeypatch):
     _, worker = parse_command(services["worker"]["command"], _compose_env(services["worker"]), monkeypatch)
     assert worker.model == "/models/model.gguf" and worker.worker == "tcp://0.0.0.0:5557"
     assert any(volume.endswith(":/models:ro") for volume in services["worker"]["volumes"])
-    assert worker.log_format == "json" and worker.ctx == 4096
+    assert worker.log_format == "json"
     assert worker.kv_store == "redis://redis:6379/0"  # the redis service
     assert worker.wire_key == f"{KEYS}/worker.key_secret" and worker.wire_allow == [f"{KEYS}/gateway.key"]
     assert not worker.wire_insecure and worker.kv_secret == f"{KEYS}/kv-secret"
@@ -593,6 +594,60 @@ def test_network_policies_let_each_pod_be_reached_only_by_its_clients(monkeypatc
     deny = _by_kind("NetworkPolicy")["lmserve-default-deny"]["spec"]
     assert deny["policyTypes"] == ["Ingress"] and not deny.get("ingress")
     assert all(_selects(deny["podSelector"], w["spec"]["template"]["metadata"]["labels"]) for w in workloads.values())
+
+
+# --- the worker's context: what the clients send fits ---------------------------------------------
+
+# Claude Code's first request is ~16k tokens before its reply: a worker's --ctx is its own default
+# (0: the model's trained context, as `lmserve serve` takes it) or a cap of at least this.
+CLIENT_CONTEXT = 32768
+# what a worker process holds beside its weights and KV: the interpreter, numba's compiled
+# kernels, a batch's scratch
+WORKER_RUNTIME = 1 << 30
+
+
+def _worker_args(deployment: str, monkeypatch) -> argparse.Namespace:
+    if deployment == "compose":
+        worker = compose()["services"]["worker"]
+        return parse_command(worker["command"], _compose_env(worker), monkeypatch)[1]
+    worker = _container(_workloads()["lmserve-worker"], "worker")
+    return parse_command(worker["args"], _env(worker), monkeypatch)[1]
+
+
+def _memory_bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (``8Gi``, ``512Mi``, ``1G``) in bytes."""
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9, "": 1}
+    number, unit = re.fullmatch(r"(\d+)([KMGT]i|[kMG]|)", quantity).groups()
+    return int(number) * units[unit]
+
+
+@pytest.mark.parametrize("deployment", ["compose", "kubernetes"])
+def test_the_worker_context_is_its_own_default_or_fits_claude_code(deployment, monkeypatch):
+    ctx = _worker_args(deployment, monkeypatch).ctx
+    assert ctx == 0 or ctx >= CLIENT_CONTEXT, f"{deployment}: --ctx {ctx} refuses Claude Code's first request"
+
+
+def test_the_worker_memory_limit_holds_its_kv_slots_for_the_default_model(default_model, monkeypatch):
+    """The worker sizes its context from the node's memory, which it sees instead of the pod's
+    limit: the limit must hold the weights and every resident slot full, at the context the
+    worker takes for the default model (its trained context, when --ctx is unset)."""
+    from worker.engine import Engine
+    from worker.main import AUTO_SLOTS
+    from worker.scheduler import resident_slot_count
+
+    worker = _container(_workloads()["lmserve-worker"], "worker")
+    args = _worker_args("kubernetes", monkeypatch)
+    engine = Engine.load(default_model, kv_type=args.kv_type)
+    ctx = args.ctx or engine.model.hp.context_length
+    slots = resident_slot_count(args.kv_slots, args.batch) if args.kv_slots else max(AUTO_SLOTS[1], args.batch)
+    needed = engine.model.weight_bytes + slots * engine.new_cache(1).full_bytes(ctx) + WORKER_RUNTIME
+    limit = _memory_bytes(worker["resources"]["limits"]["memory"])
+    assert needed <= limit, f"{slots} slots of {ctx} tokens need {needed / 2**30:.1f} GiB, over the {limit / 2**30:.1f} GiB limit"
+
+
+def test_memory_quantities_read_as_kubernetes_reads_them():
+    assert _memory_bytes("8Gi") == 8 * 2**30 and _memory_bytes("2560Mi") == 2560 * 2**20
+    assert _memory_bytes("1G") == 10**9 and _memory_bytes("1024") == 1024
 
 
 # --- the checks themselves can fail ------------------------------------------------------------

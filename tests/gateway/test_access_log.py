@@ -122,4 +122,4 @@ def test_text_line_shows_missing_values_as_dashes():
     record = AccessRecord("GET", "/nowhere", started=0.0, status=404)
     line = text_line(record.fields("host:1", ended=0.0125))
     assert line == ("GET /nowhere 404 dialect=- stream=- prompt=- cached=- completion=- finish=- "
-                    "ttft_ms=- total_ms=12.5 worker=- route=-")
+                    "ttft_ms=- total_ms=12.5 worker=- route=- key=-")

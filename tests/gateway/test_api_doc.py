@@ -198,8 +198,15 @@ def test_ignored_fields_are_accepted(stack, dialect):
 
 
 @by_name
-def test_an_unknown_field_is_400(stack, dialect):
+def test_an_unknown_field_is_ignored_and_named(stack, dialect):
     response = post(stack, dialect, {**dialect.minimal, "surely_not_a_field": True})
+    assert response.status_code == 200, response.text
+    assert response.headers["x-lmserve-ignored-fields"] == "surely_not_a_field"
+
+
+@by_name
+def test_an_unknown_field_is_400_under_strict_fields(strict_stack, dialect):
+    response = post(strict_stack, dialect, {**dialect.minimal, "surely_not_a_field": True})
     assert response.status_code == 400
     error = dialect.error_of(response)
     assert error["type"] == "invalid_request_error"
@@ -247,7 +254,7 @@ def check_row(rows, condition: str, dialect: Dialect, response: httpx.Response) 
 
 def test_error_table_lists_every_condition(error_rows):
     assert {*error_rows} == {
-        "malformed JSON", "wrong type", "unknown field", "rejected field", "prompt too long", "oversized body",
+        "malformed JSON", "wrong type", "unknown field (--strict-fields)", "rejected field", "prompt too long", "oversized body",
         "missing or invalid API key", "foreign Host header", "connection cap", "worker queue full",
         "worker down or loading", "unknown path", "wrong method", "internal error"}
     for row in error_rows.values():
@@ -260,10 +267,11 @@ UNKNOWN_PATHS = {"chat": "/v2/nothing", "responses": "/v1/responses/one/two", "m
 
 
 @by_name
-def test_cheap_error_rows_on_the_live_stack(stack, dialect, error_rows):
+def test_cheap_error_rows_on_the_live_stack(stack, strict_stack, dialect, error_rows):
     check_row(error_rows, "malformed JSON", dialect, post(stack, dialect, content=b'{"model": '))
     check_row(error_rows, "wrong type", dialect, post(stack, dialect, {**dialect.minimal, "temperature": "hot"}))
-    check_row(error_rows, "unknown field", dialect, post(stack, dialect, {**dialect.minimal, "nope": 1}))
+    check_row(error_rows, "unknown field (--strict-fields)", dialect,
+              post(strict_stack, dialect, {**dialect.minimal, "nope": 1}))
     refused = {"chat": {"n": 2}, "responses": {"background": True},
                "messages": {"output_format": {"type": "json_object"}}, "completions": {"n": 2}}[dialect.name]
     check_row(error_rows, "rejected field", dialect, post(stack, dialect, {**dialect.minimal, **refused}))

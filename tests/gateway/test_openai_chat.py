@@ -98,7 +98,6 @@ def test_seeded_sampling_is_reproducible(client):
     ({"messages": [{"role": "wizard", "content": "x"}]}, "role", "messages[0].role"),
     ({"messages": PARIS, "temperature": "hot"}, "'temperature' must be a number", "temperature"),
     ({"messages": PARIS, "temperature": 3}, "between 0 and 2", "temperature"),
-    ({"messages": PARIS, "frobnicate": 1}, "unknown field 'frobnicate'", "frobnicate"),
     ({"messages": PARIS, "reasoning_effort": "high"}, "no reasoning channel", "reasoning_effort"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "text only", "messages[0].content[0].type"),

@@ -15,6 +15,7 @@ import pytest
 
 from gateway.neutral import (
     TextDelta,
+    ToolCallAbandoned,
     ToolCallArgumentsDelta,
     ToolCallEnd,
     ToolCallStart,
@@ -102,6 +103,10 @@ def summarize(events: list[Any]) -> list[Any]:
             so_far = "".join(fragments).encode()
             jiter.from_json(so_far, partial_mode=True)  # what Anthropic's SDK does on each delta
             jiter.from_json(so_far, partial_mode="trailing-strings")
+        elif isinstance(event, ToolCallAbandoned):
+            # a call announced while it was written that did not read as a call: its text follows
+            assert open_call is not None and (event.index, event.call_id) == (open_call.index, open_call.call_id)
+            open_call = None
         else:
             assert isinstance(event, ToolCallEnd) and open_call is not None
             assert (event.index, event.call_id, event.name) == (open_call.index, open_call.call_id, open_call.name)

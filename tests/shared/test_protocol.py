@@ -3,6 +3,7 @@ send is refused with its request id, so the worker can answer it."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import msgpack
@@ -16,6 +17,8 @@ from shared.protocol import (
     Accepted,
     Busy,
     Capabilities,
+    Embed,
+    Embeddings,
     Finished,
     FinishReason,
     Generate,
@@ -23,8 +26,10 @@ from shared.protocol import (
     GrammarKind,
     Heartbeat,
     Hello,
+    InvalidEmbed,
     InvalidGenerate,
     ModelCard,
+    ModelFacts,
     PromptLogprob,
     ProtocolError,
     Rejected,
@@ -33,7 +38,7 @@ from shared.protocol import (
     TopLogprob,
     decode,
 )
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingDefaults, SamplingParams
 from shared.tokenizer import Tokenizer
 from shared.tokenizer_spec import TokenizerSpec
 
@@ -51,6 +56,8 @@ TOKENS = Tokens("r1", [7, 8], [-0.25, -1.5], [[TopLogprob(7, -0.25), TopLogprob(
     CARD,
     Generate("r1", [1, 2, 3], SamplingParams(temperature=0.5, seed=7, logit_bias={5: -1.5}), 9,
              grammar=Grammar("regex", "[a-z]+"), grammar_after_reasoning=True),
+    Generate("r2", [1], reasoning_budget=16),  # a reply that thinks for 16 tokens at most
+    dataclasses.replace(CARD, sampling=SamplingDefaults(temperature=0.6, top_k=20)),  # the file's recommendation
     Accepted("r1", 2, ["doc"]),
     Busy("r1", 0.5, "full"),
     Rejected("r1", 413, "too_long", "long"),
@@ -58,6 +65,8 @@ TOKENS = Tokens("r1", [7, 8], [-0.25, -1.5], [[TopLogprob(7, -0.25), TopLogprob(
     Finished("r1", FinishReason.LENGTH, 3, 1, 9),
     Abort("r1"),
     Heartbeat(1.5, "abc", 1, 2, 3, [b"\x01" * 8]),
+    Embed("r1", [[1, 2, 3], [7]]),
+    Embeddings("r1", [[0.5, -1.25, 3.0], [0.0, 2.0, -0.125]], 4),
 ], ids=lambda message: type(message).__name__)
 def test_a_message_survives_its_frames(message):
     assert decode(message.frames()) == message
@@ -81,6 +90,37 @@ def test_a_grammar_takes_only_a_kind_the_worker_compiles():
     assert Grammar("lark", "start: x").kind is GrammarKind.LARK
     with pytest.raises(ValueError):
         Grammar("cobol", "")
+
+
+def test_the_card_carries_the_model_facts():
+    facts = ModelFacts("gguf", "Q4_K_M", 4.89, 1 << 20, 135_000_000, "135M", "HuggingFaceTB", 576)
+    card = decode(ModelCard(**{**CARD.__dict__, "facts": facts}).frames())
+    assert card.facts == facts and decode(CARD.frames()).facts == ModelFacts()
+
+
+def test_embed_inputs_and_vectors_travel_as_raw_frames():
+    """The ids of every input in one int32 frame, the vectors in one float32 frame; the bodies
+    carry only the lengths and the shape."""
+    embed = Embed("r1", [[1, 2, 3], [7]])
+    frames = embed.frames()
+    assert msgpack.unpackb(frames[1]) == {"request_id": "r1", "lengths": [3, 1]}
+    assert frames[2] == np.array([1, 2, 3, 7], dtype="<i4").tobytes()
+    vectors = Embeddings("r1", [[0.5, -1.25], [2.0, 3.0]], 4).frames()
+    assert msgpack.unpackb(vectors[1]) == {"request_id": "r1", "prompt_tokens": 4, "count": 2, "width": 2}
+    assert vectors[2] == np.array([0.5, -1.25, 2.0, 3.0], dtype="<f4").tobytes()
+
+
+@pytest.mark.parametrize("frames, words", [
+    ([b"E", msgpack.packb({"request_id": "r9", "lengths": [2]}), PROMPT_FRAME[:4]], "one int32 frame"),
+    ([b"E", msgpack.packb({"request_id": "r9", "lengths": [0, 2]}), PROMPT_FRAME], "at least one id each"),
+    ([b"E", msgpack.packb({"request_id": "r9", "lengths": [2]})], "one int32 frame"),
+    ([b"E", msgpack.packb({"request_id": "r9", "lengths": "2"}), PROMPT_FRAME], "lengths must be a list"),
+    ([b"E", msgpack.packb({"request_id": "r9"}), PROMPT_FRAME], "lengths must be a list, not nil"),
+])
+def test_a_malformed_embed_is_refused_with_its_request_id(frames, words):
+    with pytest.raises(InvalidEmbed, match=re.escape(words)) as refused:
+        decode(frames)
+    assert refused.value.request_id == "r9"
 
 
 def test_the_card_carries_a_tokenizer_spec_the_gateway_rebuilds():
@@ -176,6 +216,14 @@ MALFORMED = [
     ([b"P", msgpack.packb({"sent_at": "now"})], "sent_at must be a number, not a string"),
     ([b"P", msgpack.packb({"prefixes": ["text"]})], "prefixes[0] must be bytes, not a string"),
     ([b"P", msgpack.packb({"waiting": True})], "waiting must be an integer, not a boolean"),
+    ([b"E", msgpack.packb({"request_id": "r1", "lengths": [1, "2"]}), PROMPT_FRAME],
+     "lengths[1] must be an integer, not a string"),
+    ([b"V", msgpack.packb({"request_id": "r1", "count": "1", "width": 1}), b"\0" * 4],
+     "count must be an integer, not a string"),
+    ([b"V", msgpack.packb({"request_id": "r1", "count": 2, "width": 3}), b"\0" * 4],
+     "EMBEDDINGS needs one float32 frame of 2 x 3 values"),
+    ([b"V", msgpack.packb({"count": 0, "width": 0}), b""], "request_id is missing"),
+    (card_with(facts={"quantization": 4}), "facts.quantization must be a string, not an integer"),
 ]
 
 

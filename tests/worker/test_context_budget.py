@@ -48,3 +48,26 @@ def test_kv_slots_by_default_are_what_the_memory_share_holds(engine, caplog):
     # asked for: as asked (raised to --batch)
     assert slots_and_context(engine, 1, 1, 2048, 1 << 40, log) == (1, 2048)
     assert slots_and_context(engine, 1, 3, 2048, 1 << 40, log) == (3, 2048)
+
+
+def test_a_container_s_memory_limit_bounds_what_is_available(tmp_path):
+    """The memory budget is the control group's where its limit leaves less than the machine
+    has (a pod's limit; /proc/meminfo shows the whole machine), in cgroup v2 and v1."""
+    from worker.main import available_memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       25165824 kB\nMemAvailable:   20971520 kB\n")  # 20 GiB available
+    v2, v1, none = tmp_path / "v2", tmp_path / "v1" / "memory", tmp_path / "none"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{8 << 30}\n")
+    (v2 / "memory.current").write_text(f"{1 << 30}\n")
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(f"{4 << 30}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{3 << 30}\n")
+    assert available_memory(str(meminfo), str(v2)) == 7 << 30
+    assert available_memory(str(meminfo), str(tmp_path / "v1")) == 1 << 30
+    assert available_memory(str(meminfo), str(none)) == 20 << 30
+    (v2 / "memory.max").write_text("max\n")  # no limit
+    assert available_memory(str(meminfo), str(v2)) == 20 << 30
+    (v2 / "memory.max").write_text(f"{64 << 30}\n")  # a limit above what the machine has
+    assert available_memory(str(meminfo), str(v2)) == 20 << 30

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.errors import ModelLoadError
+from shared.gguf_names import split_part, split_part_paths
 from worker.engine import Engine, ops
 from worker.engine.checkpoint import SafetensorsFile, floats, write_safetensors
 from worker.engine.kv_cache import KVCache
@@ -49,15 +50,21 @@ KEY_LAYOUT = "rope-v2"  # how the engine lays keys out (as its KV fingerprint sa
 
 def model_identity(engine: Engine) -> dict[str, object]:
     """What a cartridge must match: the family, the KV geometry, and the weights (their file's
-    size and a digest of its first and last MiB, as the engine's KV fingerprint reads them)."""
+    size and a digest of its first and last MiB, as the engine's KV fingerprint reads them; for a
+    split model, then each later part's)."""
     path = Path(engine.model.path)
     weights = path / "model.safetensors" if path.is_dir() else path
-    size = weights.stat().st_size
-    digest = hashlib.sha256(f"{size}:{KEY_LAYOUT}".encode())
-    with open(weights, "rb") as fh:
-        digest.update(fh.read(1 << 20))
-        fh.seek(max(0, size - (1 << 20)))
-        digest.update(fh.read(1 << 20))
+    split = split_part(str(weights))
+    parts = [Path(p) for p in split_part_paths(str(weights), split[2])] if split else [weights]
+    digest = hashlib.sha256(f"{weights.stat().st_size}:{KEY_LAYOUT}".encode())
+    for n, part in enumerate(parts):
+        size = part.stat().st_size
+        if n:
+            digest.update(f":{size}".encode())
+        with open(part, "rb") as fh:
+            digest.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            digest.update(fh.read(1 << 20))
     return {"architecture": engine.architecture,
             "geometry": [list(g) for g in engine.new_cache(1).geometry],
             "weights": digest.hexdigest()[:32]}

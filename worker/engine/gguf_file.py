@@ -30,12 +30,16 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
 
 from shared.errors import ModelLoadError
+from shared.gguf_names import split_part_paths
 from worker.engine import kernels, q2_0
 from worker.engine.weights import DenseWeight, QuantizedWeight, Weight, has_kernel, row_bytes
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+# A split model's parts (shared/gguf_names.py names them): the first holds the metadata, every
+# part some tensors, and each says which part it is
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
 
 # Types read directly as numpy dtypes (no block quantization).
 _PLAIN_TYPES = {
@@ -70,8 +74,9 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]  # numpy order: outermost first, e.g. (n_out, n_in) for a weight
     type_id: int
-    offset: int  # from the start of the data section
+    offset: int  # from the start of its file's data section
     q2_0_block: int = 0  # Q2_0's weights per block in this file (q2_0.py), 0 for other types
+    part: int = 0  # the file of a split model that holds it (0: the first, or the only one)
 
     @property
     def type_name(self) -> str:
@@ -154,8 +159,21 @@ class HeaderCursor:
         return self.scalar(_SCALAR_FORMATS[kind])
 
 
+@dataclass
+class GGUFPart:
+    """One file of a model: the whole of it, or one part of a split model."""
+
+    path: str
+    map: mmap.mmap
+    metadata: dict[str, Any]  # a split model's later parts hold only their split.* keys
+    tensors: dict[str, TensorInfo]  # offsets from this file's data section
+    data_start: int
+
+
 class GGUFFile:
-    """A GGUF model file opened for reading. Tensors are dequantized on request."""
+    """A GGUF model opened for reading, from one file or from the parts of a split model (its
+    first part named): the metadata of the first part, the tensors of every part. Tensors are
+    dequantized on request."""
 
     def __init__(self, path: str | os.PathLike, on_progress: Callable[[int, int], None] | None = None):
         self.path = os.fspath(path)
@@ -166,80 +184,49 @@ class GGUFFile:
         # weights held as float32 because no kernel serves their type: name -> type name
         self.dense_fallbacks: dict[str, str] = {}
         self.bytes_read = 0
-        if not os.path.isfile(self.path):
-            raise ModelLoadError(f"model file not found: {self.path}")
-        size = os.path.getsize(self.path)
-        with open(self.path, "rb") as fh:
-            if fh.read(4) != GGUF_MAGIC:
-                raise ModelLoadError(f"{self.path} is not a GGUF file (it does not start with b'GGUF')")
-            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            self.metadata, self._tensors, self._data_start = self._read_header()
-        except (struct.error, ValueError, UnicodeDecodeError, OverflowError, MemoryError) as exc:
-            raise ModelLoadError(f"{self.path} is truncated or corrupt: its header could not be read ({exc})") from exc
-        self._settle_q2_0(size)
-        for info in self._tensors.values():
-            if _known_type(info.type_id) is None and info.type_id != q2_0.TYPE_ID:
-                continue  # reported when the tensor is asked for
-            if info.n_bytes > size:
-                raise ModelLoadError(
-                    f"tensor {info.name!r} in {self.path} declares shape {info.shape}: {info.n_bytes} bytes, "
-                    f"more than the whole file ({size} bytes)")
-            end = self._data_start + info.offset + info.n_bytes
-            if end > size:
-                raise ModelLoadError(
-                    f"{self.path} is truncated: tensor {info.name!r} needs bytes up to {end} but the file has {size}")
+        first = _open_part(self.path, 0)
+        self.metadata = first.metadata
+        self._parts = [first, *self._later_parts(first)]
+        self._tensors: dict[str, TensorInfo] = {}
+        for part in self._parts:
+            for name, info in part.tensors.items():
+                if name in self._tensors:
+                    raise ModelLoadError(f"tensor {name!r} is in two parts of {self.path}: {self._parts[0].path} "
+                                         f"and {part.path}")
+                self._tensors[name] = info
 
-    def _settle_q2_0(self, size: int) -> None:
-        """Give every Q2_0 tensor the file's block layout, told by the bytes the tensors occupy."""
-        q2 = [info for info in self._tensors.values() if info.type_id == q2_0.TYPE_ID]
-        if not q2:
-            return
-        starts = sorted(info.offset for info in self._tensors.values())
-        data_end = size - self._data_start
+    def _later_parts(self, first: GGUFPart) -> list[GGUFPart]:
+        """The other parts of a split model (none for a whole file), each checked to be the part
+        its name says, of the same split."""
+        count = int(first.metadata.get(SPLIT_COUNT, 1) or 1)
+        if count == 1:
+            return []
+        number = int(first.metadata.get(SPLIT_NO, 0))
+        if number != 0:
+            raise ModelLoadError(f"{self.path} is part {number + 1} of a split model of {count}: name its first "
+                                 "part, …-00001-of-…gguf, and the others are read beside it")
+        later = split_part_paths(self.path, count)[1:]
+        missing = [os.path.basename(path) for path in later if not os.path.isfile(path)]
+        if missing:
+            raise ModelLoadError(f"{self.path} is the first of {count} parts of a split model; missing beside it: "
+                                 f"{', '.join(missing)}")
+        parts = [_open_part(path, index) for index, path in enumerate(later, 1)]
+        for index, part in enumerate(parts, 1):
+            said = (part.metadata.get(SPLIT_NO), part.metadata.get(SPLIT_COUNT))
+            if said != (index, count):
+                raise ModelLoadError(f"{part.path} should be part {index + 1} of {count} of {self.path}, but its "
+                                     f"split.no and split.count say {said}")
+        expected = first.metadata.get(SPLIT_TENSORS)
+        held = sum(len(part.tensors) for part in (first, *parts))
+        if expected is not None and held != expected:
+            raise ModelLoadError(f"the {count} parts of {self.path} hold {held} tensors; split.tensors.count "
+                                 f"says {expected}")
+        return parts
 
-        def room(info: TensorInfo) -> int:
-            later = bisect.bisect_right(starts, info.offset)
-            return (starts[later] if later < len(starts) else data_end) - info.offset
-
-        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        block = q2_0.layout([(info.name, info.n_values, info.shape[-1], room(info)) for info in q2], alignment,
-                            self.path)
-        for info in q2:
-            self._tensors[info.name] = dataclasses.replace(info, q2_0_block=block)
-
-    def _read_header(self) -> tuple[dict[str, Any], dict[str, TensorInfo], int]:
-        header = HeaderCursor(self._map)
-        header.pos = 4
-        version = header.scalar("<I")
-        if version not in SUPPORTED_VERSIONS:
-            raise ValueError(f"GGUF version {version} (supported: {', '.join(map(str, SUPPORTED_VERSIONS))})")
-        n_tensors = header.scalar("<Q")
-        n_kv = header.scalar("<Q")
-        metadata: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = header.string()
-            try:
-                metadata[key] = header.value(header.scalar("<I"))
-            except NestedArrayError as exc:
-                raise ModelLoadError(f"{self.path}: metadata key {key!r} holds {exc}, which lmserve (like "
-                                     "llama.cpp) does not read") from exc
-        tensors: dict[str, TensorInfo] = {}
-        for _ in range(n_tensors):
-            name = header.string()
-            n_dims = header.scalar("<I")
-            if n_dims > 8:
-                raise ValueError(f"tensor {name!r} claims {n_dims} dimensions")
-            dims = [header.scalar("<Q") for _ in range(n_dims)]
-            type_id = header.scalar("<I")
-            offset = header.scalar("<Q")
-            # GGUF lists dims innermost first; numpy wants outermost first
-            tensors[name] = TensorInfo(name, tuple(reversed(dims)), type_id, offset)
-        alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"general.alignment {alignment} is not a power of two")
-        data_start = -(-header.pos // alignment) * alignment
-        return metadata, tensors, data_start
+    @property
+    def paths(self) -> list[str]:
+        """The files the model is read from: its one file, or every part of a split model."""
+        return [part.path for part in self._parts]
 
     @property
     def architecture(self) -> str:
@@ -262,8 +249,8 @@ class GGUFFile:
         return info
 
     def data_offset(self, info: TensorInfo) -> int:
-        """Where a tensor's bytes start in the file."""
-        return self._data_start + info.offset
+        """Where a tensor's bytes start in its file (``paths[info.part]``)."""
+        return self._parts[info.part].data_start + info.offset
 
     def _checked(self, name: str, shape: tuple[int, ...] | None) -> tuple[TensorInfo, GGMLQuantizationType, np.ndarray]:
         """The tensor's info, type and raw bytes (a view of the file), after the checks that
@@ -278,7 +265,8 @@ class GGUFFile:
                 f"dequantize (supported: {', '.join(sorted(t.name for t in DECODABLE_TYPES))})")
         if shape is not None and info.shape != tuple(shape):
             raise ModelLoadError(f"tensor {name!r} in {self.path} has shape {info.shape}, expected {tuple(shape)}")
-        raw = np.frombuffer(self._map, dtype=np.uint8, count=info.n_bytes, offset=self.data_offset(info))
+        raw = np.frombuffer(self._parts[info.part].map, dtype=np.uint8, count=info.n_bytes,
+                            offset=self.data_offset(info))
         if name not in self._read:
             self._read.add(name)
             self.bytes_read += info.n_bytes
@@ -337,13 +325,96 @@ class GGUFFile:
         start = self.data_offset(info)
         first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
         last = (start + info.n_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
-        if last > first and hasattr(self._map, "madvise"):
-            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+        part = self._parts[info.part].map
+        if last > first and hasattr(part, "madvise"):
+            part.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     @functools.cached_property
     def total_bytes(self) -> int:
         return sum(info.n_bytes for info in self._tensors.values()
                    if _known_type(info.type_id) is not None or info.type_id == q2_0.TYPE_ID)
+
+
+def _open_part(path: str, index: int) -> GGUFPart:
+    """Map one file and read its header; every tensor's bytes are checked to lie inside it."""
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"model file not found: {path}")
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        if fh.read(4) != GGUF_MAGIC:
+            raise ModelLoadError(f"{path} is not a GGUF file (it does not start with b'GGUF')")
+        data = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        metadata, tensors, data_start = _read_header(data, path, index)
+    except (struct.error, ValueError, UnicodeDecodeError, OverflowError, MemoryError) as exc:
+        raise ModelLoadError(f"{path} is truncated or corrupt: its header could not be read ({exc})") from exc
+    part = GGUFPart(path, data, metadata, tensors, data_start)
+    _settle_q2_0(part, size)
+    for info in part.tensors.values():
+        if _known_type(info.type_id) is None and info.type_id != q2_0.TYPE_ID:
+            continue  # reported when the tensor is asked for
+        if info.n_bytes > size:
+            raise ModelLoadError(
+                f"tensor {info.name!r} in {path} declares shape {info.shape}: {info.n_bytes} bytes, "
+                f"more than the whole file ({size} bytes)")
+        end = data_start + info.offset + info.n_bytes
+        if end > size:
+            raise ModelLoadError(
+                f"{path} is truncated: tensor {info.name!r} needs bytes up to {end} but the file has {size}")
+    return part
+
+
+def _settle_q2_0(part: GGUFPart, size: int) -> None:
+    """Give every Q2_0 tensor the file's block layout, told by the bytes the tensors occupy."""
+    q2 = [info for info in part.tensors.values() if info.type_id == q2_0.TYPE_ID]
+    if not q2:
+        return
+    starts = sorted(info.offset for info in part.tensors.values())
+    data_end = size - part.data_start
+
+    def room(info: TensorInfo) -> int:
+        later = bisect.bisect_right(starts, info.offset)
+        return (starts[later] if later < len(starts) else data_end) - info.offset
+
+    alignment = int(part.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    block = q2_0.layout([(info.name, info.n_values, info.shape[-1], room(info)) for info in q2], alignment,
+                        part.path)
+    for info in q2:
+        part.tensors[info.name] = dataclasses.replace(info, q2_0_block=block)
+
+
+def _read_header(data: mmap.mmap, path: str, part: int) -> tuple[dict[str, Any], dict[str, TensorInfo], int]:
+    header = HeaderCursor(data)
+    header.pos = 4
+    version = header.scalar("<I")
+    if version not in SUPPORTED_VERSIONS:
+        raise ValueError(f"GGUF version {version} (supported: {', '.join(map(str, SUPPORTED_VERSIONS))})")
+    n_tensors = header.scalar("<Q")
+    n_kv = header.scalar("<Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = header.string()
+        try:
+            metadata[key] = header.value(header.scalar("<I"))
+        except NestedArrayError as exc:
+            raise ModelLoadError(f"{path}: metadata key {key!r} holds {exc}, which lmserve (like "
+                                 "llama.cpp) does not read") from exc
+    tensors: dict[str, TensorInfo] = {}
+    for _ in range(n_tensors):
+        name = header.string()
+        n_dims = header.scalar("<I")
+        if n_dims > 8:
+            raise ValueError(f"tensor {name!r} claims {n_dims} dimensions")
+        dims = [header.scalar("<Q") for _ in range(n_dims)]
+        type_id = header.scalar("<I")
+        offset = header.scalar("<Q")
+        # GGUF lists dims innermost first; numpy wants outermost first
+        tensors[name] = TensorInfo(name, tuple(reversed(dims)), type_id, offset, part=part)
+    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment {alignment} is not a power of two")
+    data_start = -(-header.pos // alignment) * alignment
+    return metadata, tensors, data_start
 
 
 def _known_type(type_id: int) -> GGMLQuantizationType | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shared.gguf_names import model_name
 from shared.tokenizer import Tokenizer
 from worker.engine import kernels
 from worker.engine.archs import load_model
@@ -53,8 +54,8 @@ class Engine:
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         for key in _KEPT_BY_TOKENIZER:
             gguf.metadata.pop(key, None)
-        base = os.path.basename(os.path.normpath(gguf.path))
-        name = base if os.path.isdir(gguf.path) else os.path.splitext(base)[0]
+        name = os.path.basename(os.path.normpath(gguf.path)) if os.path.isdir(gguf.path) \
+            else model_name(gguf.path)
         engine = cls(model, tokenizer, name, _fingerprint(gguf, model), gguf.metadata)
         engine.compiling = ahead
         return engine
@@ -121,13 +122,14 @@ def _fingerprint(gguf: GGUFFile | NanochatCheckpoint, model: DecoderModel) -> st
     the weights). ``rope-v2``: llama keys are kept in the file's adjacent-pair order."""
     hp = model.hp
     digest = hashlib.sha256()
-    path = gguf.file.path if isinstance(gguf, NanochatCheckpoint) else gguf.path
-    stat = os.stat(path)
-    digest.update(f"{stat.st_size}".encode())  # content, not the path: copies share cached KV
-    with open(path, "rb") as fh:  # head and tail of the file stand in for its content
-        digest.update(fh.read(1 << 20))
-        fh.seek(max(0, stat.st_size - (1 << 20)))
-        digest.update(fh.read(1 << 20))
+    paths = [gguf.file.path] if isinstance(gguf, NanochatCheckpoint) else gguf.paths  # every part of a split
+    for path in paths:
+        stat = os.stat(path)
+        digest.update(f"{stat.st_size}".encode())  # content, not the path: copies share cached KV
+        with open(path, "rb") as fh:  # head and tail of the file stand in for its content
+            digest.update(fh.read(1 << 20))
+            fh.seek(max(0, stat.st_size - (1 << 20)))
+            digest.update(fh.read(1 << 20))
     digest.update(f"{model.architecture}:{hp.n_layer}:{hp.n_head_kv}:{hp.head_dim}:{hp.value_dim}:"
                   f"{model.kv_type}:rope-v2".encode())
     if hp.layers:  # layers of their own shapes (gemma4)

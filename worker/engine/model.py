@@ -570,13 +570,22 @@ class DecoderModel:
         # rows contiguous again: each sequence's logits are read as one vector
         return np.ascontiguousarray(ops.linear(ops.rms_norm(x, self.output_norm, self.hp.rms_eps), self.output))
 
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of the weights as held: in the file's blocks, or float32 where dequantized."""
+    def held_weights(self) -> list:
+        """Every tensor the model holds, each once (a tied output is the embedding)."""
         held = [self.token_embd] + ([self.output_norm] if self.output_norm is not None else [])
         held += [self.output] if self.output is not self.token_embd else []
         held += [getattr(self, t.key) for t in self.global_tensors(self.hp) if hasattr(self, t.key)]
         for layer in self.layers:
             for value in layer.values():
                 held.extend(value if isinstance(value, list) else [value])
-        return sum(w.nbytes for w in held)
+        return held
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as held: in the file's blocks, or float32 where dequantized."""
+        return sum(w.nbytes for w in self.held_weights())
+
+    @property
+    def parameter_count(self) -> int:
+        """Values in the weights held (norms and biases included)."""
+        return sum(int(np.prod(w.shape)) for w in self.held_weights())

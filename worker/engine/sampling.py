@@ -73,6 +73,13 @@ class Sampler:
         self.accept(token)
         return SampledToken(token, logprob, top)
 
+    def force(self, logits: np.ndarray, token: int, allowed: np.ndarray | None = None) -> SampledToken:
+        """``token`` chosen without a draw (a reasoning budget closing its block): its logprobs
+        come from the logits all the same, and the penalties remember it."""
+        logprob, top = self.logprobs(self.adjusted_logits(logits, allowed), token)
+        self.accept(token)
+        return SampledToken(token, logprob, top)
+
     def _draw(self, scores: np.ndarray) -> int:
         p = self.params
         n = scores.shape[0]
