@@ -48,6 +48,16 @@ FIELD_TYPES: dict[str, dict[str, Any]] = {
                                             "llama-server's field), e.g. {enable_thinking: false}; a key the "
                                             "template never reads, or one the server sets itself (messages, "
                                             "tools, bos_token, add_generation_prompt, ...), is a 400"},
+    "thinking": {"type": "object", "description": "{type: enabled, budget_tokens} opens the model's reasoning "
+                 "and caps it: at budget_tokens reasoning tokens the block is closed as the template closes it "
+                 "and the answer follows; {type: disabled} turns it off where the template can"},
+    "reasoning_effort": {"type": "string",
+                         "description": "a reasoning budget: low 1024, medium 4096, high 16384 tokens, or a quarter, "
+                                        "half or three quarters of the reply's max tokens where that is less; none "
+                                        "and minimal turn reasoning off; other words set no budget"},
+    "reasoning": {"type": "object", "description": "{effort}: a reasoning budget, as reasoning_effort"},
+    "min_p": {"type": "number"},
+    "repetition_penalty": {"type": "number"},
     "encoding_format": {"enum": ["float", "base64"]},
     "dimensions": {"type": "integer", "description": "only the model's own width"},
     "content": {"type": "string"},
@@ -69,6 +79,18 @@ ENDPOINTS = [  # path, operation id, summary, dialect module, schema name
      "ResponseRequest"),
     ("/v1/messages", "messages", "Anthropic Messages", anthropic_messages, "MessageRequest"),
 ]
+
+
+# what a generation's reply may carry besides its body
+REPLY_HEADERS = {
+    "x-lmserve-ignored-fields": {"description": "the paths of the request's unknown fields, which were ignored",
+                                 "schema": {"type": "string"}},
+    "x-lmserve-truncated": {"description": "why a whole (not streamed) reply was cut by a server "
+                                           "limit: deadline (--max-request-seconds) or max_output_tokens "
+                                           "(--max-output-tokens); a stream says it in its usage, as truncated", "schema": {"type": "string"}},
+    "x-lmserve-warning": {"description": "e.g. tools sent to a model without a tool-call convention",
+                          "schema": {"type": "string"}},
+}
 
 
 TOLERANT = ("Unknown fields, at the top level and inside messages and content blocks, are ignored: "
@@ -125,6 +147,7 @@ def document(version: str, strict_fields: bool = False) -> dict[str, Any]:
                 "schema": {"$ref": f"#/components/schemas/{name}"}}}},
             "responses": {
                 "200": {"description": "the reply; with stream: true, server-sent events of the dialect",
+                        "headers": REPLY_HEADERS,
                         "content": {"application/json": {"schema": {"type": "object"}},
                                     "text/event-stream": {"schema": {"type": "string"}}}},
                 "400": error, "401": error, "413": error, "429": error, "503": error}}}

@@ -12,27 +12,36 @@ Decisions a client may notice:
 - With parallel calls off, the reply ends after its first call (see ``ToolPlan.limit``).
 - A forced call (tool_choice required, a named tool, Anthropic any / tool) is a grammar: the
   model's own call blocks of the allowed tools on a model with a convention; on one without,
-  the generic JSON call format (told to the model in the system message, one call, read when
-  the reply ends).
+  the generic JSON call format (told to the model in the system message, one call). It streams
+  as it is written, as a convention's calls do: announced once its name is known and its
+  arguments have begun, its arguments in fragments; the whole reply still decides, and one
+  that is not a call after all is abandoned and comes back as text. A forced freeform tool's
+  input streams the same way, from its first character.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from gateway import lark_regex
 from gateway.neutral import CUSTOM, NAMED, NONE, NeutralRequest, TextDelta
 from gateway.prompting import ModelView
+from shared.conventions.call_streams import JsonCallReader, escaped
 from shared.conventions.calls import (
     CallSyntax,
     ParsedEvent,
     ToolCallParser,
+    argument_deltas,
     call_events,
+    finish_started,
     json_call_schema,
     parse_json_call,
+    value_begun,
 )
+from shared.conventions.events import ToolCallAbandoned, ToolCallStart
 from shared.errors import InvalidRequestError
 from shared.protocol import Tags
 
@@ -213,23 +222,56 @@ def _forced_custom(request: NeutralRequest, name: str | None) -> ToolPlan:
 
 class WholeReplyCall:
     """The whole reply is one call: a generic JSON call object, or (with ``name``) the raw input
-    of that freeform tool. The grammar made it whole, so it is read once the reply ends; a reply
-    that is not a call after all comes back as the text it is."""
+    of that freeform tool. It streams as it is written; the grammar made it whole, so the whole
+    reply is read again once it ends, and one that is not a call after all is abandoned and comes
+    back as the text it is."""
 
     def __init__(self, name: str | None = None):
         self.name = name
         self.text = ""
         self.completed = 0
         self.done = False  # the grammar ends the reply; nothing needs cutting off
+        self.reader = JsonCallReader() if name is None else None
+        self.input_json = ""  # a freeform tool's arguments as written so far
+        self.started: ToolCallStart | None = None
+        self.sent = 0  # characters of the arguments JSON sent
+
+    def arguments(self) -> str | None:
+        """The arguments JSON written so far, once the call can be announced; else None."""
+        if self.reader is None:
+            return self.input_json or None
+        reader = self.reader
+        if self.started is None and not (reader.ready and value_begun(reader.arguments)):
+            return None
+        return None if reader.broken else reader.arguments
 
     def push(self, text: str) -> list[ParsedEvent]:
         self.text += text
-        return []
+        if self.reader is not None:
+            self.reader.feed(text)
+        elif text:
+            self.input_json = (self.input_json or json.dumps({CUSTOM_INPUT: ""})[:-2]) + escaped(text)
+        arguments = self.arguments()
+        if arguments is None:
+            return []
+        out: list[ParsedEvent] = []
+        if self.started is None:
+            self.started = ToolCallStart(0, secrets.token_hex(12), self.name or self.reader.name)
+            out.append(self.started)
+        if len(arguments) > self.sent:
+            out += argument_deltas(0, arguments[self.sent:], self.sent)
+            self.sent = len(arguments)
+        return out
 
     def flush(self) -> list[ParsedEvent]:
         text, self.text = self.text, ""
         call = (self.name, {CUSTOM_INPUT: text}) if self.name is not None else parse_json_call(text.strip())
+        started, self.started = self.started, None
         if call is None:
-            return [TextDelta(text)] if text else []
+            abandoned = [ToolCallAbandoned(0, started.call_id)] if started is not None else []
+            return abandoned + ([TextDelta(text)] if text else [])
         self.completed += 1
-        return call_events(0, *call)
+        if started is None:
+            return call_events(0, *call)
+        sent = (self.input_json if self.reader is None else self.reader.arguments)[:self.sent]
+        return finish_started(started, sent, *call)

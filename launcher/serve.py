@@ -343,6 +343,14 @@ class Stack:
     def request_stop(self, signum: int, _frame: object) -> None:
         self.stop_requests += 1
 
+    def reload_keys(self, signum: int, _frame: object) -> None:
+        """SIGHUP with --api-keys-file: every serving gateway reads the file again (one that is
+        still starting, or starts again later, reads it as it starts)."""
+        if self.phase == "serving":
+            for child in self.children:
+                if child.gateway:
+                    child.signal(signal.SIGHUP)
+
 
 def connect_host(args: argparse.Namespace) -> str:
     """Where this machine reaches the gateways: a wildcard bind is reached on loopback."""
@@ -398,8 +406,11 @@ def main(argv: list[str] | None = None) -> int:
         from shared.default_model import cache_dir
         args.kv_cache_dir = str(cache_dir() / "kv")  # the embedded kvstore: a directory
     stack = Stack(args)
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stack.request_stop)
+    # SIGHUP rereads the keys file where there is one (as a daemon reloads); else it stops, as a
+    # closed terminal means
+    signal.signal(signal.SIGHUP, stack.reload_keys if args.api_keys_file else stack.request_stop)
     try:
         stack.start()
         return stack.run()

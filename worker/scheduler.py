@@ -75,7 +75,7 @@ class Scheduler:
         self.grammar = grammar
         self.cartridges = cartridges or CartridgeChoice(engine, settings.cartridge, settings.library, settings.fleet)
         self.decoding = Decoding(engine.model, grammar, settings.ctx, send, self.finish, settings.speculation)
-        self.blocks = BlockWriting(engine.model, settings.ctx, send, self.finish) if engine.model.diffusion else None
+        self.blocks = BlockWriting(self.decoding) if engine.model.diffusion else None
         # requests whose grammar finished compiling, to be admitted by the IO thread
         self.compiled: deque[tuple[bytes, Stream, Any]] = deque()
         self.wake_io: Callable[[], None] = lambda: None  # set by the server

@@ -536,6 +536,7 @@ class _ResponseStream:
         self.output: list[dict[str, Any]] = []
         self.open: _OpenItem | None = None
         self.calls: dict[int, tuple[int, dict[str, Any]]] = {}  # call index -> (output index, added item)
+        self.inputs: dict[int, tuple[str, str]] = {}  # a freeform call's index -> (its JSON so far, input sent)
         self.added = 0  # output items added, an abandoned call's included: the next one's output_index
 
     def event(self, kind: str, **payload: Any) -> bytes:
@@ -600,7 +601,14 @@ class _ResponseStream:
     def call_delta(self, delta: ToolCallArgumentsDelta) -> list[bytes]:
         index, started = self.calls[delta.index]
         if started["type"] != "function_call":
-            return []  # a freeform tool's input is only known whole, at the end
+            written, sent = self.inputs.get(delta.index, ("", ""))
+            written += delta.json_fragment
+            text = _input_so_far(written)
+            self.inputs[delta.index] = (written, text if text is not None else sent)
+            if text is None or len(text) <= len(sent):
+                return []
+            return [self.event("response.custom_tool_call_input.delta", item_id=started["id"], output_index=index,
+                               delta=text[len(sent):])]
         started["arguments"] += delta.json_fragment
         return [self.event("response.function_call_arguments.delta", item_id=started["id"], output_index=index,
                            delta=delta.json_fragment)]
@@ -613,8 +621,10 @@ class _ResponseStream:
             out = [self.event("response.function_call_arguments.done", **where, arguments=item["arguments"],
                               name=item["name"])]
         else:
-            out = [self.event("response.custom_tool_call_input.delta", **where, delta=item["input"]),
-                   self.event("response.custom_tool_call_input.done", **where, input=item["input"])]
+            sent = self.inputs.pop(call.index, ("", ""))[1]
+            rest = item["input"][len(sent):] if item["input"].startswith(sent) else item["input"]
+            out = [self.event("response.custom_tool_call_input.delta", **where, delta=rest)] if rest else []
+            out.append(self.event("response.custom_tool_call_input.done", **where, input=item["input"]))
         self.output.append(item)
         return out + [self.event("response.output_item.done", output_index=index, item=item)]
 
@@ -622,6 +632,7 @@ class _ResponseStream:
         """A call that did not finish as one: its item ends incomplete and stays out of the
         response's output (its text follows as a message, as the whole reply has it)."""
         index, started = self.calls.pop(call.index)
+        self.inputs.pop(call.index, None)
         done = {**started, "status": "incomplete"} if started["type"] == "function_call" else started
         return [self.event("response.output_item.done", output_index=index, item=done)]
 
@@ -679,3 +690,19 @@ async def stream(request: NeutralRequest, view: ModelView, events: AsyncIterator
         return
     for chunk in response.fail(LmserveError("the answer ended without a finish")):
         yield chunk
+
+
+def _input_so_far(written: str) -> str | None:
+    """A freeform call's input as far as the fragments of its arguments (``{"input": "…``, cut
+    never inside an escape) have written it; None before its string has begun."""
+    try:
+        return json.loads(written)[CUSTOM_INPUT]
+    except (ValueError, KeyError, TypeError):
+        pass
+    opener = json.dumps({CUSTOM_INPUT: ""})[:-2]
+    if not written.startswith(opener):
+        return None
+    try:
+        return json.loads('"' + written[len(opener):] + '"')
+    except ValueError:
+        return None

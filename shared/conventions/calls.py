@@ -180,7 +180,7 @@ class ToolCallParser:
         self.fed = len(body)
         if reader.broken:
             return
-        if self.started is None and reader.ready and reader.name is not None and _value_begun(reader.arguments):
+        if self.started is None and reader.ready and reader.name is not None and value_begun(reader.arguments):
             self.started = ToolCallStart(self.announced, secrets.token_hex(12), reader.name)
             self.announced += 1
             out.append(self.started)
@@ -189,10 +189,7 @@ class ToolCallParser:
             self.sent = len(reader.arguments)
 
     def _deltas(self, index: int, text: str) -> list[ParsedEvent]:
-        """Fragments of a call's arguments; what comes from their start at once (a whole body
-        in one piece) is cut as a whole call's is."""
-        pieces = json_fragments(text) if self.sent == 0 else [text]
-        return [ToolCallArgumentsDelta(index, piece) for piece in pieces]
+        return argument_deltas(index, text, self.sent)
 
     def _abandon(self, out: list[ParsedEvent]) -> None:
         """The announced call will not be finished: its body is text after all."""
@@ -216,16 +213,9 @@ class ToolCallParser:
         self.after_call, self.gap = True, ""
 
     def _finish_started(self, name: str, arguments: dict[str, Any]) -> list[ParsedEvent]:
-        """The rest of an announced call's arguments, and its end."""
         started, self.started, reader, self.reader = self.started, None, self.reader, None
         assert started is not None and reader is not None
-        arguments_json = json.dumps(arguments, ensure_ascii=False)
-        sent = reader.arguments[:self.sent]
-        out: list[ParsedEvent] = []
-        if arguments_json.startswith(sent) and len(arguments_json) > len(sent):
-            out += self._deltas(started.index, arguments_json[len(sent):])
-        # (a body its reader wrote otherwise, duplicate keys: the end carries the arguments as read)
-        return out + [ToolCallEnd(started.index, started.call_id, name, arguments_json)]
+        return finish_started(started, reader.arguments[:self.sent], name, arguments)
 
     def _as_text(self, raw: str, closed: bool) -> str:
         """A block that is not a call, as the text the model wrote."""
@@ -241,10 +231,27 @@ class ToolCallParser:
             out.append(TextDelta(text))
 
 
-def _value_begun(arguments: str) -> bool:
+def value_begun(arguments: str) -> bool:
     """The arguments hold more than an opening brace and a key: a call broken right there (``{"a": }``,
     a common slip) is never announced, so it comes back as text alone, streamed or not."""
     return arguments not in ("", "{") and not arguments.endswith(": ")
+
+
+def argument_deltas(index: int, text: str, sent: int) -> list[ParsedEvent]:
+    """Fragments of a call's arguments, ``sent`` characters of which went out before; what comes
+    from their start at once (a whole body in one piece) is cut as a whole call's is."""
+    pieces = json_fragments(text) if sent == 0 else [text]
+    return [ToolCallArgumentsDelta(index, piece) for piece in pieces]
+
+
+def finish_started(started: ToolCallStart, sent: str, name: str, arguments: dict[str, Any]) -> list[ParsedEvent]:
+    """The rest of an announced call's arguments (``sent`` went out already), and its end."""
+    arguments_json = json.dumps(arguments, ensure_ascii=False)
+    out: list[ParsedEvent] = []
+    if arguments_json.startswith(sent) and len(arguments_json) > len(sent):
+        out += argument_deltas(started.index, arguments_json[len(sent):], len(sent))
+    # (a body its reader wrote otherwise, duplicate keys: the end carries the arguments as read)
+    return out + [ToolCallEnd(started.index, started.call_id, name, arguments_json)]
 
 
 def call_events(index: int, name: str, arguments: dict[str, Any]) -> list[ParsedEvent]:

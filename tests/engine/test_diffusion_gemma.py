@@ -244,6 +244,28 @@ def test_a_second_turn_reuses_its_slot(engine):
     assert _run(_scheduler(engine, cold_box), cold_box, "cold", follow, 8, stop_ids=[])[0] == second
 
 
+def test_a_reasoning_budget_cuts_its_block_at_the_close_and_the_answer_is_the_next_block(engine):
+    """Blocks are written whole, so the budget is kept where a block is cut: the reasoning the
+    prompt opened ends after its budget's tokens with Gemma 4's close, and the next block follows."""
+    from shared.conventions import gemma4
+    from worker.reasoning_budget import ReasoningMarkers
+
+    markers = ReasoningMarkers.of(engine.tokenizer, gemma4.GEMMA4)
+    assert markers is not None and len(markers.close) == 1
+    thinking = PROMPT + list(markers.open)  # the generation prompt opens the thought channel
+    outbox: list = []
+    free, _ = _run(_scheduler(engine, outbox), outbox, "free", thinking, 16, stop_ids=[])
+    assert markers.close[0] not in free[0][:4]  # the model would think on past the budget
+    outbox = []
+    scheduler = _scheduler(engine, outbox)
+    scheduler.decoding.reasoning = markers
+    blocks, finished = _run(scheduler, outbox, "budget", thinking, 16, stop_ids=[], reasoning_budget=5)
+    # four of its own tokens, then the close in the budget's fifth place; the block ends there
+    assert blocks[0] == free[0][:4] + list(markers.close)
+    assert len(blocks) >= 2 and sum(map(len, blocks)) == 16
+    assert finished.reason == FinishReason.LENGTH and finished.completion_tokens == 16
+
+
 def test_a_cartridge_is_refused_plainly(engine, tmp_path):
     from shared.errors import ModelLoadError
     from worker.cartridges.cartridge import Cartridge, from_document, write

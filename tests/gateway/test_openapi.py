@@ -49,6 +49,19 @@ def test_request_schemas_are_what_the_server_takes(document, stack, strict_stack
     assert httpx.post(strict_stack.url + path, json=unknown, timeout=60).status_code == 400
 
 
+def test_budgets_and_the_reply_headers_are_described(document):
+    from gateway.app import IGNORED_FIELDS_HEADER, TRUNCATED_HEADER, WARNING_HEADER
+    from gateway.generation import EFFORT_BUDGETS
+
+    schemas = document["components"]["schemas"]
+    effort = schemas["ChatCompletionRequest"]["properties"]["reasoning_effort"]["description"]
+    assert all(f"{word} {tokens}" in effort for word, (tokens, _) in EFFORT_BUDGETS.items())
+    assert "budget_tokens" in schemas["MessageRequest"]["properties"]["thinking"]["description"]
+    for path in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
+        headers = document["paths"][path]["post"]["responses"]["200"]["headers"]
+        assert {IGNORED_FIELDS_HEADER, TRUNCATED_HEADER, WARNING_HEADER} <= set(headers)
+
+
 def test_docs_render_the_document_and_can_be_switched_off(stack, stack_worker, start_gateway):
     page = httpx.get(stack.url + "/docs", timeout=10)
     assert page.status_code == 200 and "/openapi.json" in page.text and "swagger" in page.text.lower()

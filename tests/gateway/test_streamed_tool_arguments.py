@@ -215,3 +215,77 @@ def test_the_sdk_stream_helpers_assemble_the_whole_replys_call(stack, dialect):
         pairs = [[(i.name, i.arguments) for i in output if i.type == "function_call"] for output in (whole, final)]
     assert pairs[0] == pairs[1] and len(pairs[0]) == 1
     assert pairs[0][0][0] == name and json.loads(pairs[0][0][1]) == arguments
+
+
+# --- a model without a convention: the generic JSON call and a freeform tool's input ----------
+
+GENERIC_CALL = json.dumps({"name": "write_file", "arguments": {"path": "a.txt", "content": LONG}}, ensure_ascii=False)
+PATCH = ("*** Begin Patch\n*** Add File: a.txt\n" + "".join("+" + line + "\n" for line in LONG.splitlines())
+         + "*** End Patch")
+PATCH_MARKER = "[[patch]]"
+FORCED = {"chat": "required", "responses": "required", "messages": {"type": "any"}}
+
+
+@pytest.fixture(scope="module")
+def generic(tmp_path_factory, start_worker, start_gateway):
+    """The tiny Llama model, which has no call convention, scripted to write the generic JSON call
+    (a forced call holds it to that format's grammar, which the script keeps) and a patch."""
+    folder = tmp_path_factory.mktemp("generic")
+    model = folder / "tiny-llama.gguf"
+    write_tiny_gguf(model, "llama", context_length=4096)
+    worker = start_worker(model, "--scripted-replies", str(write_script(folder, {MARKER: GENERIC_CALL,
+                                                                                   PATCH_MARKER: PATCH})),
+                          "--ctx", "4096")
+    assert worker.card().capabilities.tool_call_tags is None  # the premise
+    return start_gateway(worker), ModelView.from_card(worker.card())
+
+
+def forced_body(dialect: str, max_tokens: int) -> tuple[str, dict[str, Any]]:
+    path, body = bodies("hermes", max_tokens)[dialect]
+    return path, {**body, "tool_choice": FORCED[dialect]}
+
+
+@pytest.mark.parametrize("dialect", ["chat", "responses", "messages"])
+def test_a_forced_generic_call_streams_as_it_is_written(generic, dialect):
+    gateway, view = generic
+    path, body = forced_body(dialect, 3000)
+    whole = httpx.post(gateway.url + path, json=body, timeout=120).json()
+    name, deltas = argument_deltas(dialect, sse(gateway.url, path, body))
+    assert name == "write_file" and len(deltas) >= 20, deltas
+    arguments = json.loads("".join(deltas))
+    assert arguments == {"path": "a.txt", "content": LONG}
+    if dialect == "chat":
+        assert whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == "".join(deltas)
+    elif dialect == "responses":
+        assert [i["arguments"] for i in whole["output"] if i["type"] == "function_call"] == ["".join(deltas)]
+    else:
+        assert [b["input"] for b in whole["content"] if b["type"] == "tool_use"] == [arguments]
+    # cut at half the call's tokens, the call has begun streaming already
+    cut = len(view.tokenizer.encode(GENERIC_CALL, add_special=False)) // 2
+    name, deltas = argument_deltas(dialect, sse(gateway.url, *forced_body(dialect, cut)))
+    assert name == "write_file" and len(deltas) >= 10
+    assert json.dumps({"path": "a.txt", "content": LONG}, ensure_ascii=False).startswith(
+        "".join(deltas).rstrip("\ufffd"))
+
+
+def test_a_forced_freeform_tools_input_streams_and_the_sdk_assembles_it(generic):
+    gateway, view = generic
+    oai = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+    kwargs = dict(model="m", input=[{"role": "user", "content": f"Patch it {PATCH_MARKER}"}],
+                  tools=[{"type": "custom", "name": "apply_patch", "description": "Applies a patch"}],
+                  tool_choice={"type": "custom", "name": "apply_patch"}, max_output_tokens=3000)
+    whole = [i for i in oai.responses.create(**kwargs).output if i.type == "custom_tool_call"]
+    assert [(i.name, i.input) for i in whole] == [("apply_patch", PATCH)]
+    deltas = []
+    with oai.responses.stream(**kwargs) as events:
+        for event in events:
+            if event.type == "response.custom_tool_call_input.delta":
+                deltas.append(event.delta)
+        final = [i for i in events.get_final_response().output if i.type == "custom_tool_call"]
+    assert [(i.name, i.input) for i in final] == [("apply_patch", PATCH)]
+    assert "".join(deltas) == PATCH and len(deltas) >= 20
+    # cut at half its tokens, the input has begun streaming: as the patch's first half
+    cut = len(view.tokenizer.encode(PATCH, add_special=False)) // 2
+    events = sse(gateway.url, "/v1/responses", {**kwargs, "max_output_tokens": cut})
+    partial = "".join(e["delta"] for e in events if e["type"] == "response.custom_tool_call_input.delta")
+    assert len(partial) > 100 and PATCH.startswith(partial.rstrip("\ufffd"))

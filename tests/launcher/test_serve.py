@@ -333,3 +333,26 @@ def test_two_workers_on_their_defaults_keep_six_conversations_resident(serve_fac
         assert usage.prompt_tokens_details.cached_tokens >= 0.95 * first, (usage, first)
     log = served.stderr.decode(errors="replace")
     assert "--kv-slots" in log and "resident caches" in log  # each worker says how many it chose
+
+
+def test_sighup_rereads_the_keys_file_in_every_gateway_and_the_stack_serves_on(serve_factory, default_model,
+                                                                                tmp_path):
+    """With --api-keys-file, SIGHUP to ``lmserve serve`` is a reload, as for a daemon: each
+    gateway reads the file again, and nothing stops."""
+    keys = tmp_path / "keys"
+    keys.write_text("alice:alice-key\n", encoding="utf-8")
+    served = serve_factory("--gateways", "2", "--api-keys-file", str(keys))
+    served.wait_ready()
+    gateways = served.role_pids("gateway")
+    assert len(gateways) == 2
+
+    def status(key: str) -> int:
+        return httpx.get(served.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code
+
+    assert status("alice-key") == 200 and status("bob-key") == 401
+    keys.write_text("bob:bob-key\n", encoding="utf-8")
+    served.proc.send_signal(signal.SIGHUP)
+    # new connections spread over both gateways: twenty in a row all see the new file
+    assert wait_until(lambda: all(status("bob-key") == 200 for _ in range(20)), timeout=30)
+    assert all(status("alice-key") == 401 for _ in range(10))
+    assert served.proc.poll() is None and served.role_pids("gateway") == gateways  # the same processes
