@@ -22,6 +22,7 @@ from typing import Any
 
 from gateway import metrics
 from gateway.dialects import dialect_of_path
+from gateway.flags import GATEWAY_HEADER
 from gateway.neutral import (
     Event,
     Finish,
@@ -32,7 +33,6 @@ from gateway.neutral import (
     TextDelta,
 )
 
-GATEWAY_HEADER = "x-lmserve-gateway"
 SCOPE_KEY = "lmserve.access"
 # the request state's name of the API key the caller held (gateway.edge sets it; "" for none)
 KEY_NAME = "api_key_name"

@@ -44,6 +44,7 @@ from shared.errors import (
     NotFoundError,
     WorkerUnavailableError,
 )
+from shared.memory import give_back_freed_memory
 from shared.protocol import DEFAULT_ENDPOINT, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 from shared.wire_security import ClientKeys
 
@@ -126,6 +127,7 @@ class Gateway:
                 self.workers.version_error or "the model is not ready yet (the worker is loading or unreachable)")
         if self._view is None or self._view.card is not card:
             self._view = ModelView.from_card(card)
+            give_back_freed_memory()  # what building the tokenizer freed
         return self._view
 
     def _log_toolless(self, model_id: str) -> None:

@@ -9,12 +9,15 @@ from shared import log_format
 from shared.command_line import CommaList, EnvParser, new_parser
 from shared.protocol import DEFAULT_ENDPOINT
 
-# gateway.worker_pool's names, and the defaults of gateway.app.GatewaySettings and the worker
-# clients, kept here so that building a command line imports no HTTP stack
+# gateway.worker_pool's names, the defaults of gateway.app.GatewaySettings and the worker
+# clients, and the names lmserve serve shares with its gateways, kept here so that building a
+# command line (and supervising the processes) imports no HTTP stack
 ROUTE_POLICIES = ("prefix", "round-robin")
 DEFAULT_QUEUE_TOKENS = 1024
 MAX_BUFFERED = 4096  # replies a request may hold unread before its slow reader is cut off
 PING_INTERVAL = 10.0  # seconds of silence before an SSE keep-alive while a prompt is read
+GATEWAY_HEADER = "x-lmserve-gateway"  # on every reply: the gateway (host:pid) that answered
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # where gateways sharing a port pool their metrics
 
 
 def add_gateway_flags(p: argparse.ArgumentParser) -> None:

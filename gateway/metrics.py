@@ -19,7 +19,8 @@ import os
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import multiprocess
 
-MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+from gateway.flags import MULTIPROCESS_ENV
+
 # seconds: from tens of milliseconds (a cached short prompt) to minutes (a long cold prompt)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

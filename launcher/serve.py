@@ -31,10 +31,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from gateway.access_log import GATEWAY_HEADER
-from gateway.hosts import is_loopback
-from gateway.metrics import MULTIPROCESS_ENV
+from gateway.flags import GATEWAY_HEADER, MULTIPROCESS_ENV
 from gateway.flags import build_parser as gateway_parser
+from gateway.hosts import is_loopback
 from launcher.flags import build_parser, to_argv
 from shared.command_line import env_name
 from shared.load_progress import ProgressBar, parse_status

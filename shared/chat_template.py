@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import jinja2
 from jinja2 import meta, nodes
@@ -23,6 +23,9 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from shared.errors import TemplateError
+
+if TYPE_CHECKING:
+    from shared.tokenizer import Tokenizer
 
 # The variables every render sets itself (and the environment's globals): a client's
 # chat_template_kwargs may set none of them.
@@ -146,16 +149,20 @@ class ChatTemplate:
             raise TemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from exc
 
 
-def chat_template_from_metadata(meta: dict[str, Any]) -> ChatTemplate | None:
-    """The GGUF's own chat template with its BOS/EOS texts, or None when the file has none."""
+def chat_template_from_metadata(meta: dict[str, Any], tokenizer: Tokenizer | None = None) -> ChatTemplate | None:
+    """The GGUF's own chat template with its BOS/EOS texts, or None when the file has none
+    (the texts from ``tokenizer`` where the metadata no longer holds the vocabulary)."""
     source = meta.get("tokenizer.chat_template")
     if not isinstance(source, str) or not source.strip():
         return None
     tokens = meta.get("tokenizer.ggml.tokens") or []
+    size = tokenizer.vocab_size if tokenizer is not None else len(tokens)
 
     def text_of(key: str) -> str:
         index = meta.get(key)
-        return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else ""
+        if not isinstance(index, int) or not 0 <= index < size:
+            return ""
+        return tokenizer.id_to_piece(index) if tokenizer is not None else tokens[index]
 
     return ChatTemplate(source, bos_token=text_of("tokenizer.ggml.bos_token_id"),
                         eos_token=text_of("tokenizer.ggml.eos_token_id"))

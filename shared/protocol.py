@@ -48,7 +48,9 @@ from shared.wire_types import WireTypeError, checked, fields_of
 # 5: GENERATE's reasoning_budget (a worker that dropped it would let a reply think past its budget)
 #    and the MODEL_CARD's sampling defaults (a gateway that dropped them would sample unset fields
 #    at the API's defaults, not the model's)
-PROTOCOL_VERSION = 5
+# 6: the MODEL_CARD's tokenizer carries its token strings as one blob and their offsets (spec
+#    format 2), not as a list of strings
+PROTOCOL_VERSION = 6
 # Where a worker binds and a gateway connects when no --worker is given: this machine.
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 HEARTBEAT_INTERVAL = 1.0  # seconds between heartbeats, both directions

@@ -1,21 +1,87 @@
 """The tokenizer as it travels: everything a gateway needs to rebuild the worker's tokenizer
 (``shared.tokenizer.Tokenizer.from_spec``) without the model file, sent in the MODEL_CARD.
 
+The token strings travel and stay as one UTF-8 blob with the offset where each ends, not as a
+list of strings: a Python string costs some 75 bytes of a 262k-token vocabulary's 80 per token.
+
 Kept apart from ``shared/tokenizer.py`` so that the wire protocol, which the light flag modules
 import, does not import the tokenizers library.
 """
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate, repeat
+from typing import Any
 
-SPEC_FORMAT = 1
+SPEC_FORMAT = 2
+PIECE_ERRORS = "surrogatepass"  # a string the file holds is carried whatever its code points
+
+
+def _offsets(data: bytes) -> array:
+    ends = array("I")
+    ends.frombytes(data)
+    if sys.byteorder == "big":
+        ends.byteswap()  # carried little-endian
+    return ends
+
+
+class PackedStrings(Sequence[str]):
+    """Strings kept as one UTF-8 blob and the offset where each ends, each made only when read:
+    how a GGUF reader hands over a vocabulary without a string object per token (objects that,
+    freed later among the model's, would leave the memory they held scattered and unreturned)."""
+
+    __slots__ = ("blob", "ends")
+
+    def __init__(self, blob: bytes, ends: array):
+        self.blob, self.ends = blob, ends
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self.ends)
+        if not 0 <= index < len(self.ends):
+            raise IndexError("string index out of range")
+        return self.blob[self.ends[index - 1] if index else 0:self.ends[index]].decode("utf-8", PIECE_ERRORS)
+
+    def __iter__(self):
+        ends = self.ends
+        return map(bytes.decode, map(self.blob.__getitem__, map(slice, (0, *ends), ends)),
+                   repeat("utf-8"), repeat(PIECE_ERRORS))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PackedStrings({len(self)} strings)"
+
+
+def pack_pieces(tokens: Sequence[str]) -> dict[str, bytes]:
+    """The ``pieces`` and ``piece_ends`` fields of a spec holding these token strings."""
+    if isinstance(tokens, PackedStrings):
+        blob, ends = tokens.blob, array("I", tokens.ends)
+    else:
+        encoded = [token.encode("utf-8", PIECE_ERRORS) for token in tokens]
+        blob, ends = b"".join(encoded), array("I", accumulate(map(len, encoded)))
+    if sys.byteorder == "big":
+        ends.byteswap()
+    return {"pieces": bytes(blob), "piece_ends": ends.tobytes()}
 
 
 @dataclass
 class TokenizerSpec:
     model: str  # tokenizer.ggml.model: the kind of vocabulary (shared.tokenizer.VOCABULARY_MODELS)
-    tokens: list[str]
+    pieces: bytes  # every token's string, UTF-8, one after another (``pack_pieces``)
+    piece_ends: bytes  # where each token's string ends in ``pieces``: uint32, little-endian
     token_types: bytes  # the GGUF token type of each token, one byte each
     bos_id: int | None
     eos_id: int | None
@@ -30,3 +96,20 @@ class TokenizerSpec:
     merges: list[str] | None = None  # byte-level BPE and gemma4: ranked "left right" merges
     scores: bytes | None = None  # SentencePiece: a float32 score per token
     add_space_prefix: bool | None = None  # SentencePiece: a space goes before a text
+
+    @classmethod
+    def of_tokens(cls, tokens: Sequence[str], **fields: Any) -> TokenizerSpec:
+        return cls(**pack_pieces(tokens), **fields)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.piece_ends) // 4
+
+    def piece_offsets(self) -> array:
+        """The end of each token's string in ``pieces`` (an array of uint32)."""
+        return _offsets(self.piece_ends)
+
+    def tokens(self) -> list[str]:
+        """The token strings, made anew (a large vocabulary's take tens of megabytes: a caller
+        keeps them only while it needs them)."""
+        return list(PackedStrings(self.pieces, self.piece_offsets()))

@@ -101,3 +101,16 @@ def test_the_lean_import_check_sees_a_test_tool():
     assert {"torch", "selenium", "pytest"} <= hidden and not {"fastapi", "fastapi_offline", "yaml"} & hidden
     result = _import_lean("fastapi", "selenium.webdriver")
     assert result.returncode != 0 and "No module named 'selenium' in a lean install" in result.stderr
+
+
+def test_the_supervising_process_imports_no_serving_stack():
+    """``lmserve serve`` itself only starts and watches its children: its memory is part of the
+    stack's, so it imports neither the engine's nor the HTTP server's libraries."""
+    code = ("import sys, launcher.cli, launcher.serve\n"
+            "from shared.default_model import resolve_model\n"
+            "print(sorted(sys.modules))")
+    loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                                           check=True).stdout.replace("'", '"')))
+    heavy = {"numpy", "numba", "jinja2", "tokenizers", "prometheus_client", "fastapi", "uvicorn", "llguidance",
+             "huggingface_hub", "gateway.app", "worker.engine"}
+    assert "launcher.serve" in loaded and not heavy & loaded, heavy & loaded

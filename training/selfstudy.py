@@ -76,7 +76,7 @@ class SelfStudy:
     def __init__(self, engine: Engine, seed: int = 0, temperature: float = 0.7,
                  message_tokens: int = 48, answer_tokens: int = 96):
         self.engine = engine
-        self.template: ChatTemplate | None = chat_template_from_metadata(engine.metadata)
+        self.template: ChatTemplate | None = chat_template_from_metadata(engine.metadata, engine.tokenizer)
         self.rng = np.random.default_rng(seed)
         self.temperature = temperature
         self.message_tokens = message_tokens

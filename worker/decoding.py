@@ -19,7 +19,7 @@ from worker import metrics
 from worker.engine.model import DecoderModel
 from worker.grammar import GrammarEngine, error_text
 from worker.reasoning_budget import ReasoningBudget, ReasoningMarkers
-from worker.speculation import Drafter, SpeculationSettings, StreamSpeculation
+from worker.speculation import Drafter, SpeculationSettings, StreamSpeculation, drafter
 from worker.stream import Finish, Send, Stream
 
 SLOW_MASKS = 1.0  # seconds: a step whose grammar masks take longer is logged with its streams
@@ -63,7 +63,7 @@ class Decoding:
         (off here, or in its request)."""
         if stream.spec is None and self.speculation is not None and stream.request.speculate:
             read = [*stream.request.prompt, *([] if stream.next_token is None else [stream.next_token])]
-            stream.spec = StreamSpeculation(self.speculation.drafter(read, stream.slot.cache), self.speculation.kinds[0])
+            stream.spec = StreamSpeculation(drafter(self.speculation, read, stream.slot.cache), self.speculation.kinds[0])
         return stream.spec
 
     def budget_of(self, stream: Stream) -> ReasoningBudget | None:

@@ -12,7 +12,7 @@ from shared.command_line import CommaList, EnvParser, env_name, new_parser
 from shared.errors import InvalidRequestError
 from shared.protocol import DEFAULT_ENDPOINT, DEFAULT_QUEUE, HEARTBEAT_TIMEOUT
 from shared.sampling_params import SamplingDefaults
-from worker.speculation import SpeculationSettings
+from worker.speculation_settings import SpeculationSettings
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:

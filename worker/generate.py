@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.warm_up(on_compile=lambda jobs: print(f"lmserve generate: compiling kernels for this CPU, once: "
                                                  f"{describe(jobs)}", file=sys.stderr, flush=True))
     tokenizer = engine.tokenizer
-    template = chat_template_from_metadata(engine.metadata)
+    template = chat_template_from_metadata(engine.metadata, engine.tokenizer)
     if args.raw or template is None:
         prompt = tokenizer.encode(args.prompt)
     else:

@@ -16,7 +16,7 @@ from shared.chat_template import ChatTemplate
 from shared.errors import LmserveError
 from shared.keys import machine_kv_secret, public_keys, read_secret, secret_key
 from shared.load_progress import ProgressBar, StatusWriter
-from shared.memory import fix_mmap_threshold
+from shared.memory import fix_mmap_threshold, give_back_freed_memory
 from worker import metrics
 from worker.cartridges.cartridge import Cartridge
 from worker.cartridges.fleet import Fleet, Retrieval
@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                 status.compiling(what)
 
         engine.warm_up(on_compile=compiling)
+        give_back_freed_memory()  # what loading and compiling freed
         log.info("kernels ready in %.1f s (a first start on this CPU compiles them; later starts read "
                  "numba's disk cache)", time.perf_counter() - started)
         scripted = ScriptedReplies.load(args.scripted_replies, engine.tokenizer) \

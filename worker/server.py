@@ -117,7 +117,7 @@ class WorkerServer:
     def _model_card(self) -> ModelCard:
         engine, sched = self.engine, self.settings.scheduler
         template = (ChatTemplate(self.settings.chat_template) if self.settings.chat_template
-                    else chat_template_from_metadata(engine.metadata))
+                    else chat_template_from_metadata(engine.metadata, engine.tokenizer))
         return ModelCard(
             version=PROTOCOL_VERSION, model_id=engine.model_id, architecture=engine.architecture,
             context_budget=sched.ctx - self.cartridges.prefix, n_vocab=engine.model.hp.n_vocab,

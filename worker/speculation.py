@@ -25,8 +25,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-NGRAM, DRAFT, MTP = "ngram", "draft", "mtp"
-KINDS = (NGRAM, DRAFT, MTP)  # the drafters this worker has
+from worker.speculation_settings import DRAFT, KINDS, MTP, NGRAM, SpeculationSettings
+
+__all__ = ["DRAFT", "KINDS", "MTP", "NGRAM", "SpeculationSettings"]  # (whose drafters are made here)
+
 NGRAM_SIZES = (4, 3, 2)  # suffix lengths looked up, longest first: a longer match drafts better
 DRAFT_CHUNK = 256  # tokens a draft model reads per pass while it catches up with a stream
 
@@ -45,23 +47,12 @@ class Drafter(Protocol):
     def took(self, at: int, states: np.ndarray) -> None: ...
 
 
-@dataclass
-class SpeculationSettings:
-    kinds: tuple[str, ...] = (NGRAM,)  # what drafts, in order of preference; () is off
-    max_draft: int = 16  # drafted tokens per pass at most (--spec-max)
-    draft_engine: Any = None  # DRAFT: the draft model's Engine (worker/engine), of the same vocabulary
-    model: Any = None  # MTP: the served model, which holds the MTP block
-
-    @property
-    def on(self) -> bool:
-        return bool(self.kinds) and self.max_draft > 0
-
-    def drafter(self, tokens: list[int], cache: Any) -> "Drafter":
-        """A new stream's drafter, seeded with what it has read so far (its prompt) and given
-        its cache: the kinds asked for, each asked in turn until one drafts."""
-        made = [NgramIndex(tokens) if kind == NGRAM else DraftModel(self.draft_engine, tokens, cache.max_tokens) if kind == DRAFT
-                else MtpDrafter(self.model, cache, tokens) for kind in self.kinds]
-        return made[0] if len(made) == 1 else Combined(made, list(self.kinds))
+def drafter(settings: SpeculationSettings, tokens: list[int], cache: Any) -> Drafter:
+    """A new stream's drafter, seeded with what it has read so far (its prompt) and given its
+    cache: the kinds asked for, each asked in turn until one drafts."""
+    made = [NgramIndex(tokens) if kind == NGRAM else DraftModel(settings.draft_engine, tokens, cache.max_tokens)
+            if kind == DRAFT else MtpDrafter(settings.model, cache, tokens) for kind in settings.kinds]
+    return made[0] if len(made) == 1 else Combined(made, list(settings.kinds))
 
 
 class Blind:

@@ -35,8 +35,9 @@ from shared.protocol import (
 )
 from shared.tokenizer_spec import TokenizerSpec
 
-SPEC = TokenizerSpec("gpt2", ["a", "b", "ab"], bytes([1, 1, 1]), None, None, False, False, pre="gpt2",
-                     merges=["a b"])
+SPEC = TokenizerSpec.of_tokens(["a", "b", "ab"], model="gpt2", token_types=bytes([1, 1, 1]), bos_id=None,
+                               eos_id=None, add_bos=False, add_eos=False, pre="gpt2",
+                               merges=["a b"])
 CARD = ModelCard(PROTOCOL_VERSION, "m", "llama", 512, 3, SPEC, None, "fp", Capabilities(512, Tags("<t>", "</t>")),
                  instance="one")
 

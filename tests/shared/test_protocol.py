@@ -43,8 +43,9 @@ from shared.tokenizer import Tokenizer
 from shared.tokenizer_spec import TokenizerSpec
 
 PROMPT_FRAME = np.array([1, 2], dtype="<i4").tobytes()
-SPEC = TokenizerSpec("gpt2", ["a", "b", "ab"], bytes([1, 1, 1]), None, None, False, False, pre="gpt2",
-                     merges=["a b"])
+SPEC = TokenizerSpec.of_tokens(["a", "b", "ab"], model="gpt2", token_types=bytes([1, 1, 1]), bos_id=None,
+                               eos_id=None, add_bos=False, add_eos=False, pre="gpt2",
+                               merges=["a b"])
 CARD = ModelCard(PROTOCOL_VERSION, "m", "llama", 512, 3, SPEC, None, "fp", Capabilities(
     1024, Tags("<think>", "</think>"), reasoning=True, tool_call_tags=Tags("<tool_call>", "</tool_call>")))
 TOKENS = Tokens("r1", [7, 8], [-0.25, -1.5], [[TopLogprob(7, -0.25), TopLogprob(3, -2.0)], [TopLogprob(8, -1.5)]],
@@ -186,7 +187,7 @@ MALFORMED = [
     (card_with(capabilities={"context_length": 1024}), "capabilities.reasoning_tags is missing"),
     (card_with(tokenizer=[]), "tokenizer must be a map, not a list"),
     (card_with(tokenizer=spec_with(token_types=[1, 1, 1])), "tokenizer.token_types must be bytes, not a list"),
-    (card_with(tokenizer=spec_with(tokens=["a", 2, "ab"])), "tokenizer.tokens[1] must be a string, not an integer"),
+    (card_with(tokenizer=spec_with(pieces=["a", "b", "ab"])), "tokenizer.pieces must be bytes, not a list"),
     (card_with(tokenizer=spec_with(merges="a b")), "tokenizer.merges must be a list or nil, not a string"),
     (card_with(tokenizer={k: v for k, v in spec_with().items() if k != "bos_id"}), "tokenizer.bos_id is missing"),
     ([b"A", msgpack.packb({"request_id": "r1", "queue_position": "2"})],

@@ -11,7 +11,8 @@ import msgpack
 import pytest
 
 from shared.errors import TokenizerError
-from shared.tokenizer import PRE_NAMES, TOKEN_CONTROL, TOKEN_USER_DEFINED, Tokenizer
+from shared.tokenizer import PRE_NAMES, TOKEN_CONTROL, TOKEN_USER_DEFINED, PieceIndex, Tokenizer
+from shared.tokenizer_spec import PackedStrings, TokenizerSpec
 
 VOCABS = ("smollm2", "qwen3", "gemma3", "gemma4")
 
@@ -208,6 +209,53 @@ def test_spec_of_another_format_is_refused(smollm_tokenizer):
         Tokenizer.from_spec(spec)
 
 
+def _spec(tokens: list[str], **fields: Any) -> TokenizerSpec:
+    return TokenizerSpec.of_tokens(tokens, **{
+        "model": "llama", "token_types": bytes([1] * len(tokens)), "bos_id": None, "eos_id": None, "add_bos": False,
+        "add_eos": False, "scores": bytes(4 * len(tokens)), "add_space_prefix": True, **fields})
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    ({"piece_ends": b"\x01\x00\x00"}, "do not match their offsets"),
+    ({"pieces": b"ab!"}, "do not match their offsets"),
+    ({"pieces": b"\xffb"}, "not UTF-8"),
+])
+def test_a_spec_whose_pieces_do_not_read_is_refused(damage, message):
+    with pytest.raises(TokenizerError, match=message):
+        Tokenizer.from_spec({**dataclasses.asdict(_spec(["a", "b"])), **damage})
+
+
+def test_the_vocabulary_is_held_as_one_blob_and_looked_up_by_hash(tokenizers):
+    """No string object per token: the pieces stay in the spec's blob, ids are found through
+    the sorted hash keys, and every id's piece finds it again (the first of equal pieces)."""
+    tokenizer = tokenizers["gemma3"]
+    spec = tokenizer.to_spec()
+    tokens = spec.tokens()
+    first: dict[str, int] = {}
+    for index, piece in enumerate(tokens):
+        first.setdefault(piece, index)
+    assert all(tokenizer.id_to_piece(i) == piece for i, piece in enumerate(tokens))
+    assert all(tokenizer.piece_to_id(piece) == index for piece, index in first.items())
+    assert tokenizer.piece_to_id("no such piece \u2581\u2581") is None
+    index = PieceIndex(spec)
+    assert len(index.keys) == spec.vocab_size and index.keys.itemsize == 8
+    # equal pieces and pieces beyond the BMP travel and are found
+    odd = ["x", "\U0001f30d", "\u00e9", "x", "\u2581a"]
+    rebuilt = Tokenizer.from_spec(msgpack.unpackb(msgpack.packb(dataclasses.asdict(_spec(odd))), raw=False))
+    assert [rebuilt.id_to_piece(i) for i in range(5)] == odd
+    assert [rebuilt.piece_to_id(piece) for piece in odd] == [0, 1, 2, 0, 4]
+
+
+def test_packed_strings_read_as_the_list_they_hold():
+    tokens = ["a", "", "\u00e9t\u00e9", "\U0001f30d"]
+    spec = _spec(tokens)
+    packed = PackedStrings(spec.pieces, spec.piece_offsets())
+    assert packed == tokens and list(packed) == tokens and len(packed) == 4
+    assert packed[-1] == tokens[-1] and packed[1:3] == tokens[1:3]
+    with pytest.raises(IndexError):
+        packed[4]
+
+
 # --- pre-tokenizers and errors ----------------------------------------------------------------
 
 @pytest.mark.parametrize("pre", sorted(PRE_NAMES))
@@ -305,12 +353,12 @@ def test_sentencepiece_without_merges_equals_the_bpe_of_every_split(tokenizers):
                 + [chr(c) for c in range(0x4e00, 0x4e40)] + [chr(c) for c in range(0x1f600, 0x1f610)])
     samples += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 80))) for _ in range(400)]
     samples += ["<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", "a<unused0>b  c", "\n\n\n"]
-    vocab = {piece: index for index, piece in enumerate(tokenizer.to_spec().tokens)}
+    index = tokenizer.piece_index
     for prefix, match_special in ((False, True), (True, True), (True, False)):  # Gemma's rule, then Llama 2's
         spec = dataclasses.replace(tokenizer.to_spec(), add_space_prefix=prefix)
         added = AddedTexts(tuple(tokenizer.id_to_piece(i) for i in sorted(tokenizer.special_ids)),
                            tuple(tokenizer.id_to_piece(i) for i in sorted(tokenizer.user_defined_ids)), match_special)
-        ours = SentencePieceEncoder(spec, vocab, prefix, added)
-        reference = with_added(SentencePieceBPE.encoder(spec, vocab, True), added)
+        ours = SentencePieceEncoder(spec, index, prefix, added)
+        reference = with_added(SentencePieceBPE.encoder(spec, True), added)
         for sample in samples:
             assert ours(sample) == reference(sample), sample

@@ -22,6 +22,7 @@ import math
 import mmap
 import os
 import struct
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
 
 from shared.errors import ModelLoadError
 from shared.gguf_names import split_part_paths
+from shared.tokenizer_spec import PackedStrings
 from worker.engine import kernels, q2_0
 from worker.engine.weights import DenseWeight, QuantizedWeight, Weight, has_kernel, row_bytes
 
@@ -123,9 +125,11 @@ class HeaderCursor:
         self.pos += length
         return raw.decode("utf-8", errors="replace")
 
-    def strings(self, count: int) -> list[str]:
-        """``count`` strings in a row (a vocabulary): one tight loop, no dispatch per item."""
-        data, pos, out = self.data, self.pos, []
+    def strings(self, count: int) -> PackedStrings:
+        """``count`` strings in a row (a vocabulary): one tight loop, no dispatch per item, and
+        no string object kept per item (bytes that are not UTF-8 read as U+FFFD, as one string's)."""
+        data, pos = self.data, self.pos
+        blob, ends = bytearray(), array("I")
         end = len(data)
         unpack = struct.Struct("<Q").unpack_from
         for _ in range(count):
@@ -133,10 +137,16 @@ class HeaderCursor:
             pos += 8
             if pos + length > end:
                 raise struct.error("string runs past the end of the file")
-            out.append(data[pos:pos + length].decode("utf-8", errors="replace"))
+            raw = data[pos:pos + length]
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raw = raw.decode("utf-8", errors="replace").encode("utf-8")
+            blob += raw
+            ends.append(len(blob))
             pos += length
         self.pos = pos
-        return out
+        return PackedStrings(bytes(blob), ends)
 
     def value(self, type_id: int) -> Any:
         kind = GGUFValueType(type_id)

@@ -28,7 +28,9 @@ DEFAULT_PREFILL_CHUNK = 512
 
 # vocabulary arrays the tokenizer keeps in its own form (scores as float32 bytes, types as
 # bytes): the metadata's lists of Python numbers are 12 MiB for a 262k vocabulary
-_KEPT_BY_TOKENIZER = ("tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+# the vocabulary lives on in the tokenizer alone (a 262k-token file's strings are some 30 MB)
+_KEPT_BY_TOKENIZER = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                      "tokenizer.ggml.merges")
 
 
 @dataclass
