@@ -601,7 +601,7 @@ class Tokenizer:
     def __init__(self, spec: TokenizerSpec):
         """Build from a spec (see ``to_spec``); use ``from_gguf_metadata`` or ``from_spec``."""
         self._spec = spec
-        self._piece_ends = spec.piece_offsets()  # the token strings stay in the spec's blob
+        self._pieces = PackedStrings(spec.pieces, spec.piece_offsets())  # the strings stay in the spec's blob
         self._types: bytes = bytes(spec.token_types)
         self._model = VOCABULARY_MODELS[spec.model]
         self._bos_id: int | None = spec.bos_id
@@ -808,7 +808,7 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return len(self._piece_ends)
+        return len(self._pieces)
 
     @property
     def bos_id(self) -> int | None:
@@ -864,10 +864,9 @@ class Tokenizer:
 
     def id_to_piece(self, token_id: int) -> str:
         """The vocabulary's string for an id (byte-level form for ordinary tokens)."""
-        ends = self._piece_ends
-        if not 0 <= token_id < len(ends):
-            raise IndexError(f"token id {token_id} is outside the vocabulary of {len(ends)}")
-        return self._spec.pieces[ends[token_id - 1] if token_id else 0:ends[token_id]].decode("utf-8", PIECE_ERRORS)
+        if not 0 <= token_id < len(self._pieces):
+            raise IndexError(f"token id {token_id} is outside the vocabulary of {len(self._pieces)}")
+        return self._pieces[token_id]
 
     def piece_to_id(self, piece: str) -> int | None:
         """The id of a vocabulary string, or None (e.g. ``piece_to_id("<|im_end|>")``); of

@@ -68,7 +68,7 @@ class PackedStrings(Sequence[str]):
 def pack_pieces(tokens: Sequence[str]) -> dict[str, bytes]:
     """The ``pieces`` and ``piece_ends`` fields of a spec holding these token strings."""
     if isinstance(tokens, PackedStrings):
-        blob, ends = tokens.blob, array("I", tokens.ends)
+        blob, ends = tokens.blob, array("I", tokens.ends)  # a copy: the byte swap below must not reach it
     else:
         encoded = [token.encode("utf-8", PIECE_ERRORS) for token in tokens]
         blob, ends = b"".join(encoded), array("I", accumulate(map(len, encoded)))
