@@ -121,7 +121,7 @@ class WorkerClient:
             secure_client(sock, self.wire)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 250)  # a worker that starts is found within a quarter second
         # A worker that dies (its connection drops) is given up at once, not after the heartbeat
         # timeout: its requests fail now, and a pool of workers resends the unstarted ones. When
         # the connection is made again, HELLO goes out at once, not at the next heartbeat.

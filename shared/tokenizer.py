@@ -33,9 +33,9 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from itertools import accumulate, repeat
-from operator import and_, or_
 from typing import Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -170,11 +170,21 @@ def _fim_ids(meta: dict[str, Any], tokens: list[str], types: bytes) -> list[int]
     ids = [_optional_id(meta, key, len(tokens)) for key in FIM_KEYS]
     if all(i is not None for i in ids):
         return ids
-    added = {text: i for i, text in enumerate(tokens) if types[i] in (TOKEN_CONTROL, TOKEN_USER_DEFINED)}
+    added = {tokens[i]: i for i in (ids_of_types(types, (TOKEN_CONTROL, TOKEN_USER_DEFINED)))}
     for texts in FIM_TEXTS:
         if all(text in added for text in texts):
             return [added[text] for text in texts]
     return None
+
+
+def _strings(value: list[str]) -> list[str]:
+    """A list of strings from the metadata, made at once from the reader's packed form."""
+    return value.to_list() if isinstance(value, PackedStrings) else list(value)
+
+
+def ids_of_types(types: bytes, kinds: tuple[int, ...]) -> list[int]:
+    """The ids whose token type is one of ``kinds``, in order (one pass in numpy, not in Python)."""
+    return np.flatnonzero(np.isin(np.frombuffer(types, dtype=np.uint8), kinds)).tolist()
 
 
 def _optional_id(meta: dict[str, Any], key: str, vocab_size: int) -> int | None:
@@ -255,7 +265,8 @@ class PieceIndex:
         self.id_mask = (1 << max(1, n.bit_length())) - 1
         self.high = ((1 << 64) - 1) ^ self.id_mask
         # the sort compares plain integers: no key function, no tuple per token
-        self.keys = array("Q", sorted(map(or_, map(and_, map(hash, spec.tokens()), repeat(self.high)), range(n))))
+        hashes = np.fromiter(map(hash, spec.tokens()), dtype=np.int64, count=n).view(np.uint64)
+        self.keys = array("Q", np.sort((hashes & np.uint64(self.high)) | np.arange(n, dtype=np.uint64)).tobytes())
         self.blob, self.ends = spec.pieces, spec.piece_offsets()
 
     def get(self, piece: str) -> int | None:
@@ -288,7 +299,7 @@ class ByteLevelBPE(VocabularyModel):
 
     @classmethod
     def read(cls, meta: dict[str, Any]) -> dict[str, Any]:
-        merges = list(_get(meta, "tokenizer.ggml.merges", list))
+        merges = _strings(_get(meta, "tokenizer.ggml.merges", list))
         pre = meta.get("tokenizer.ggml.pre") or ""
         if not pre:
             log.warning("GGUF has no tokenizer.ggml.pre; using the 'default' pre-tokenizer, "
@@ -317,6 +328,17 @@ class ByteLevelBPE(VocabularyModel):
             return piece.encode("utf-8")
 
     @classmethod
+    def all_piece_bytes(cls, tokens: list[str], types: bytes) -> list[bytes]:
+        # one translation of the whole vocabulary: every character of the byte alphabet is one
+        # byte, so the pieces end where their strings do
+        try:
+            joined = "".join(tokens).translate(_CHAR_TO_LATIN1).encode("latin-1")
+        except UnicodeEncodeError:  # raw text somewhere: piece by piece
+            return super().all_piece_bytes(tokens, types)
+        ends = list(accumulate(map(len, tokens)))
+        return list(map(joined.__getitem__, map(slice, [0, *ends], ends)))
+
+    @classmethod
     def encoder(cls, spec: TokenizerSpec, space_prefix: bool = True) -> _HFTokenizer:
         kind = PRE_KINDS[PRE_NAMES[spec.pre]]
         backend = _stored_merges_bpe(piece_ids(spec), spec.merges, ignore_merges=kind.ignore_merges)
@@ -339,21 +361,28 @@ def _check_merges(spec: TokenizerSpec) -> None:
     """Every merge is "left right" with left, right and their union in the vocabulary (what the
     encoder, built on first use, would refuse later)."""
     pieces = set(spec.tokens())
-    for left, right in _merge_pairs(spec.merges):
+    pairs = _merge_pairs(spec.merges)
+    lefts, rights = [left for left, _ in pairs], [right for _, right in pairs]
+    if pieces.issuperset(lefts) and pieces.issuperset(rights) and pieces.issuperset(map(str.__add__, lefts, rights)):
+        return
+    for left, right in pairs:  # which one: for the message
         if left not in pieces or right not in pieces or left + right not in pieces:
             raise TokenizerError(f"the vocabulary's BPE merges are inconsistent: {left!r} + {right!r} "
                                  "names a piece the vocabulary lacks")
 
 
 def _merge_pairs(lines: list[str]) -> list[tuple[str, str]]:
-    merges = []
-    for line in lines:
-        # Split at the first space after the first character, so a merge whose left part
-        # is itself a space (raw-text vocabularies) still parses.
+    # Split at the first space after the first character, so a merge whose left part is itself
+    # a space (raw-text vocabularies) still parses: partition in one map, the few lines that
+    # start with a space cut again.
+    parts = list(map(str.partition, lines, repeat(" ")))
+    merges = [(left, right) for left, _, right in parts]
+    for index in [i for i, (left, space, _) in enumerate(parts) if not (left and space)]:
+        line = lines[index]
         cut = line.find(" ", 1)
         if cut < 0:
             raise TokenizerError(f"malformed BPE merge {line!r}: expected 'left right'")
-        merges.append((line[:cut], line[cut + 1:]))
+        merges[index] = (line[:cut], line[cut + 1:])
     return merges
 
 
@@ -569,7 +598,7 @@ class Gemma4BPE(SentencePieceBPE):
 
     @classmethod
     def read(cls, meta: dict[str, Any]) -> dict[str, Any]:
-        return {"merges": list(_get(meta, "tokenizer.ggml.merges", list))}
+        return {"merges": _strings(_get(meta, "tokenizer.ggml.merges", list))}
 
     @classmethod
     def check(cls, spec: TokenizerSpec) -> None:
@@ -611,7 +640,8 @@ class Tokenizer:
 
         tokens = spec.tokens()  # the strings, only while the tables below are made
         # the few texts looked up here, in one pass over the vocabulary
-        found = {piece: index for index, piece in enumerate(tokens) if piece in END_OF_TURN_TEXTS}
+        found = {text: index for text in END_OF_TURN_TEXTS
+                 if (index := self._pieces.find(text)) is not None}
         types = bytearray(self._types)
         stop_ids = {i for i in (self._eos_id, spec.eot_id, spec.eom_id) if i is not None}
         for text in END_OF_TURN_TEXTS:
@@ -621,12 +651,8 @@ class Tokenizer:
                 types[index] = TOKEN_CONTROL
         self._effective_types = bytes(types)
         self._stop_ids = frozenset(stop_ids)
-        self._special_ids = frozenset(
-            i for i, t in enumerate(self._effective_types) if t in (TOKEN_CONTROL, TOKEN_UNKNOWN)
-        )
-        self._user_defined_ids = frozenset(
-            i for i, t in enumerate(self._effective_types) if t == TOKEN_USER_DEFINED
-        )
+        self._special_ids = frozenset(ids_of_types(self._effective_types, (TOKEN_CONTROL, TOKEN_UNKNOWN)))
+        self._user_defined_ids = frozenset(ids_of_types(self._effective_types, (TOKEN_USER_DEFINED,)))
         # Added tokens are raw text; everything else is a byte-level string. All of them in one
         # blob (a bytes object per token would cost five times as much for a large vocabulary).
         pieces = self._model.all_piece_bytes(tokens, self._types)
@@ -668,7 +694,7 @@ class Tokenizer:
         add_eos = meta.get("tokenizer.ggml.add_eos_token")
         size = len(tokens)
         try:
-            type_bytes = bytes(int(t) for t in types[:size])
+            type_bytes = bytes(types[:size])
         except (TypeError, ValueError) as exc:
             raise TokenizerError(f"tokenizer.ggml.token_type is malformed: {exc}") from exc
         spec = TokenizerSpec.of_tokens(
@@ -702,7 +728,7 @@ class Tokenizer:
             )
         ends = spec.piece_offsets() if len(spec.piece_ends) % 4 == 0 else None
         if ends is None or (ends[-1] if ends else 0) != len(spec.pieces) or \
-                any(start > end for start, end in zip(ends, ends[1:])):
+                bool((np.diff(np.frombuffer(ends, dtype=np.uint32).astype(np.int64)) < 0).any()):
             raise TokenizerError("tokenizer spec's pieces do not match their offsets")
         try:
             spec.pieces.decode("utf-8", PIECE_ERRORS)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from array import array
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, repeat
@@ -55,6 +56,37 @@ class PackedStrings(Sequence[str]):
         ends = self.ends
         return map(bytes.decode, map(self.blob.__getitem__, map(slice, (0, *ends), ends)),
                    repeat("utf-8"), repeat(PIECE_ERRORS))
+
+    def find(self, text: str) -> int | None:
+        """The first string equal to ``text``, found in the blob (None: none is)."""
+        wanted = text.encode("utf-8", PIECE_ERRORS)
+        blob, ends = self.blob, self.ends
+        at = blob.find(wanted)
+        while at >= 0:
+            # the strings that start at ``at``: those after each string that ends there
+            first = 0 if at == 0 else bisect_left(ends, at) + 1
+            for i in range(first, min(bisect_right(ends, at) + 1, len(ends))):
+                if ends[i] == at + len(wanted) and (ends[i - 1] if i else 0) == at:
+                    return i
+            at = blob.find(wanted, at + 1)
+        return None
+
+    def to_list(self) -> list[str]:
+        """Every string: the blob decoded once and cut at the characters where the strings end
+        (a decode per string costs several times as much over a large vocabulary)."""
+        import numpy as np  # here: the light modules that import this one do not load numpy
+
+        try:
+            text = self.blob.decode("utf-8", PIECE_ERRORS)
+        except UnicodeDecodeError:
+            return list(self)  # the string that is not UTF-8 raises as it would alone
+        ends = np.frombuffer(self.ends, dtype=np.uint32).astype(np.int64)
+        leading = (np.frombuffer(self.blob, dtype=np.uint8) & 0xC0) != 0x80  # a character starts there
+        if not leading[ends[ends < len(leading)]].all():
+            return list(self)  # a string ends inside a character: each one decoded alone, as it must be
+        chars_before = np.concatenate(([0], np.cumsum(leading)))
+        char_ends = chars_before[ends].tolist()
+        return list(map(text.__getitem__, map(slice, [0, *char_ends], char_ends)))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
@@ -112,4 +144,4 @@ class TokenizerSpec:
     def tokens(self) -> list[str]:
         """The token strings, made anew (a large vocabulary's take tens of megabytes: a caller
         keeps them only while it needs them)."""
-        return list(PackedStrings(self.pieces, self.piece_offsets()))
+        return PackedStrings(self.pieces, self.piece_offsets()).to_list()

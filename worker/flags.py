@@ -91,6 +91,10 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-slots", type=int, default=0,
                    help="resident KV-reuse slots, each able to hold a full --ctx cache (0: as many as "
                         "half of the memory available holds, from 4 to 16; a slot costs only what it holds)")
+    p.add_argument("--kv-budget", type=int, default=0, metavar="TOKENS",
+                   help="KV positions the resident caches hold together: past it, the least recently used idle "
+                        "conversations' caches are dropped (their whole chunks stay in the kvstore); running streams "
+                        "are never cut (0: --ctx, one full context, as one buffer of --ctx cells would hold)")
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="prompt tokens computed per step while other streams decode")
     p.add_argument("--spec", action=CommaList, default=list(SpeculationSettings.kinds), metavar="KIND,…",
@@ -153,8 +157,9 @@ def add_wire_flags(p: argparse.ArgumentParser) -> None:
 
 
 def check_worker_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("ctx", "queue", "batch", "kv_slots", "prefill_chunk", "kv_disk_slots", "kv_chunk", "threads"):
-        if getattr(args, name) < (0 if name in ("queue", "ctx", "threads", "kv_slots") else 1):
+    for name in ("ctx", "queue", "batch", "kv_slots", "kv_budget", "prefill_chunk", "kv_disk_slots", "kv_chunk",
+                 "threads"):
+        if getattr(args, name) < (0 if name in ("queue", "ctx", "threads", "kv_slots", "kv_budget") else 1):
             p.error(f"--{name.replace('_', '-')} must be positive")
     if 0 < args.ctx < 16:
         p.error("--ctx must be at least 16 tokens")

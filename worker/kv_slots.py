@@ -36,8 +36,13 @@ class SlotPool:
     model: DecoderModel
     n_slots: int
     max_tokens: int
+    # positions (of every layer, windows for sliding ones) all caches may hold together before
+    # idle ones are dropped, least recently used first (0: no such limit). Running streams are
+    # never cut: each may still grow to ``max_tokens``.
+    budget_tokens: int = 0
     slots: list[Slot] = field(default_factory=list)
     _clock: itertools.count = field(default_factory=itertools.count)
+    dropped: int = 0  # idle caches dropped to keep within the budget
 
     def __post_init__(self) -> None:
         self.slots = [Slot(i, self.model.new_cache(self.max_tokens)) for i in range(self.n_slots)]
@@ -85,6 +90,7 @@ class SlotPool:
             oldest.cache.copy_prefix(best.cache, reused)
             best = oldest
         best.cache.truncate(reused)
+        self._make_room(best, len(prompt))
         best.busy = True
         best.session = session
         best.namespace = namespace
@@ -92,6 +98,25 @@ class SlotPool:
         # a cache that cannot be cut back (recurrent state) kept all of it or nothing: the
         # exact prompt again keeps nothing, since one token must be computed
         return SlotChoice(best, best.cache.length)
+
+    def _make_room(self, taken: Slot, prompt_tokens: int) -> None:
+        """Drop idle caches, least recently used first, while all caches together with ``taken``
+        holding the prompt would exceed the budget: one conversation's long prompt does not sit
+        beside every earlier one's KV (a kvstore still holds their whole chunks)."""
+        if not self.budget_tokens:
+            return
+        budget = taken.cache.full_bytes(self.budget_tokens)
+        held = taken.cache.full_bytes(max(taken.cache.written, prompt_tokens)) + \
+            sum(slot.cache.resident_bytes for slot in self.slots if slot is not taken)
+        idle = sorted((slot for slot in self.slots if not slot.busy and slot is not taken and slot.cache.written),
+                      key=lambda slot: slot.last_used)
+        for slot in idle:
+            if held <= budget:
+                return
+            held -= slot.cache.resident_bytes
+            slot.cache.clear()
+            slot.session = None
+            self.dropped += 1
 
     def digests(self) -> list[bytes]:
         """What the slots hold, as the prefix digests gateways route by (conversation tokens

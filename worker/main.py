@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.metrics_port:
             metrics.serve(args.metrics_port, metrics_host(args.worker))
         kv_slots, ctx = slots_and_context(engine, args.kv_slots, args.batch, args.ctx, available_memory(), log)
+        kv_budget = args.kv_budget or ctx
+        log.info("--kv-budget %d: past that many positions in all caches, idle conversations' caches are "
+                 "dropped, least recently used first", kv_budget)
         cartridge = _cartridge(args.cartridge, engine, ctx) if args.cartridge else None
         if cartridge is not None:
             log.info("cartridge %s: %d positions before every conversation", cartridge.name, cartridge.tokens)
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             endpoint=args.worker, heartbeat_timeout=args.heartbeat_timeout, wire=wire,
             sampling=sampling_flags(args),
             scheduler=SchedulerSettings(ctx=ctx, queue=args.queue, batch=args.batch,
-                                        kv_slots=kv_slots,
+                                        kv_slots=kv_slots, kv_budget=kv_budget,
                                         prefill_chunk=args.prefill_chunk, threads=threads,
                                         scripted_replies=scripted, cartridge=cartridge,
                                         library=library, fleet=fleet,

@@ -37,8 +37,16 @@ class ReasoningMarkers:
         if not convention.reasoning_tokens or not in_vocabulary(tokenizer, convention.reasoning_tokens):
             return None
         tags = convention.reasoning
-        return cls(*(tuple(tokenizer.encode(text, add_special=False, parse_special=True))
-                     for text in (tags.open, tags.close)))
+        return cls(*(_marker_ids(tokenizer, text) for text in (tags.open, tags.close)))
+
+
+def _marker_ids(tokenizer: Tokenizer, text: str) -> tuple[int, ...]:
+    """A tag's ids: the added token it names, as encoding would match it (a worker otherwise never
+    builds the encoder, which takes a large vocabulary's merges seconds and megabytes), else encoded."""
+    single = tokenizer.piece_to_id(text)
+    if single is not None and (single in tokenizer.special_ids or single in tokenizer.user_defined_ids):
+        return (single,)
+    return tuple(tokenizer.encode(text, add_special=False, parse_special=True))
 
 
 def _ends_with(tokens: Sequence[int], marker: tuple[int, ...], end: int) -> bool:

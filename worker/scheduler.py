@@ -51,6 +51,7 @@ class SchedulerSettings:
     queue: int = DEFAULT_QUEUE  # waiting requests beyond which new ones get BUSY
     batch: int = 1  # streams decoded together
     kv_slots: int = 1  # resident caches asked for (see slot_count)
+    kv_budget: int = 0  # positions all caches hold together before idle ones go (0: no limit)
     prefill_chunk: int = 256  # prompt tokens per step while others decode
     threads: int | None = None  # kernel threads of the engine thread (None: every core)
     scripted_replies: ScriptedReplies | None = None  # tests only: replay given tokens (worker/scripted.py)
@@ -80,7 +81,7 @@ class Scheduler:
         self.compiled: deque[tuple[bytes, Stream, Any]] = deque()
         self.wake_io: Callable[[], None] = lambda: None  # set by the server
         self.between_steps: Callable[[], None] = lambda: None  # the server's engine-thread work (embeddings)
-        self.pool = SlotPool(engine.model, settings.slot_count, settings.ctx)
+        self.pool = SlotPool(engine.model, settings.slot_count, settings.ctx, settings.kv_budget)
         if spiller is not None:  # a slot's sliding layers keep what the kvstore has not taken yet
             for slot in self.pool.slots:
                 slot.cache.spilled = 0

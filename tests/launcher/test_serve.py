@@ -333,6 +333,7 @@ def test_two_workers_on_their_defaults_keep_six_conversations_resident(serve_fac
         assert usage.prompt_tokens_details.cached_tokens >= 0.95 * first, (usage, first)
     log = served.stderr.decode(errors="replace")
     assert "--kv-slots" in log and "resident caches" in log  # each worker says how many it chose
+    assert "--kv-budget" in log  # and how much KV its idle conversations may hold
 
 
 def test_sighup_rereads_the_keys_file_in_every_gateway_and_the_stack_serves_on(serve_factory, default_model,

@@ -295,3 +295,49 @@ def test_the_same_sessions_older_turn_is_cut_back_in_place(engine):
     pool.release(one.slot)
     again = pool.acquire(turn + [1, 2, 3], session="s")
     assert again.slot is one.slot and again.reused_tokens == len(turn)
+
+
+def _conversation(pool, engine, tokens, release=True):
+    choice = pool.acquire(tokens)
+    engine.model.forward([(choice.slot.cache, tokens[choice.reused_tokens:])])
+    if release:
+        pool.release(choice.slot)
+    return choice.slot
+
+
+def test_a_long_prompt_drops_the_least_recently_used_idle_caches_past_the_budget(engine):
+    """Three idle conversations of 150 tokens and a budget of 512 positions: a new prompt of 300
+    drops the two oldest (their storage given back), keeps the newest whole, and the budget never
+    cuts a running stream."""
+    from worker.kv_slots import SlotPool
+
+    pool = SlotPool(engine.model, 5, 512, budget_tokens=512)
+    talks = [[1000 + 200 * n + i for i in range(150)] for n in range(3)]
+    slots = [_conversation(pool, engine, talk) for talk in talks]
+    assert all(slot.cache.length == 150 and slot.cache.nbytes for slot in slots)
+    assert pool.dropped == 0  # 450 positions: within the budget
+    long = pool.acquire([7] * 300)
+    assert pool.dropped == 2
+    assert [slot.cache.length for slot in slots] == [0, 0, 150]
+    assert slots[0].cache.nbytes == slots[1].cache.nbytes == 0  # the storage itself is gone
+    assert slots[2].cache.tokens == talks[2]
+    engine.model.forward([(long.slot.cache, [7] * 300)])
+    pool.release(long.slot)
+    # a dropped conversation starts afresh and grows again; the kept one is found whole
+    assert pool.acquire(talks[2] + [5]).reused_tokens == 150
+    again = pool.acquire(talks[0] + [5])
+    assert again.reused_tokens == 0
+    engine.model.forward([(again.slot.cache, talks[0] + [5])])
+    assert again.slot.cache.length == 151
+    # running streams are never dropped: both stay busy and whole past the budget
+    assert pool.acquire([9] * 400) is not None
+    assert again.slot.busy and again.slot.cache.length == 151
+
+
+def test_without_a_budget_every_idle_cache_stays(engine):
+    from worker.kv_slots import SlotPool
+
+    pool = SlotPool(engine.model, 4, 512)
+    slots = [_conversation(pool, engine, [1000 + 200 * n + i for i in range(150)]) for n in range(3)]
+    _conversation(pool, engine, [7] * 500)
+    assert pool.dropped == 0 and [slot.cache.length for slot in slots] == [150, 150, 150]

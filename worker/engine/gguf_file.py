@@ -105,6 +105,18 @@ class NestedArrayError(ValueError):
     """A metadata array whose items are arrays."""
 
 
+def _whole_characters(blob: bytes, ends: array) -> bool:
+    """Whether every string of a packed run is UTF-8 by itself: the run is, and no string
+    starts inside a character."""
+    try:
+        blob.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    cuts = np.frombuffer(ends, dtype=np.uint32)
+    cuts = cuts[cuts < len(blob)]
+    return not bool(((np.frombuffer(blob, dtype=np.uint8)[cuts] & 0xC0) == 0x80).any())
+
+
 class HeaderCursor:
     """A cursor over the header bytes; every read is bounds-checked by ``struct``."""
 
@@ -126,26 +138,46 @@ class HeaderCursor:
         return raw.decode("utf-8", errors="replace")
 
     def strings(self, count: int) -> PackedStrings:
-        """``count`` strings in a row (a vocabulary): one tight loop, no dispatch per item, and
-        no string object kept per item (bytes that are not UTF-8 read as U+FFFD, as one string's)."""
-        data, pos = self.data, self.pos
-        blob, ends = bytearray(), array("I")
+        """``count`` strings in a row (a vocabulary), kept packed: no string object per item.
+        The loop only walks the lengths; the bytes are gathered and checked as UTF-8 at once
+        (and only where that finds a string that is not UTF-8, each is read alone, its bad bytes
+        as U+FFFD)."""
+        data, first = self.data, self.pos
         end = len(data)
+        unpack = struct.Struct("<Q").unpack_from
+        starts = array("q")
+        pos = first
+        for _ in range(count):
+            (length,) = unpack(data, pos)
+            starts.append(pos + 8)
+            pos += 8 + length
+            if pos > end:
+                raise struct.error("string runs past the end of the file")
+        self.pos = pos
+        region = np.frombuffer(data, dtype=np.uint8, count=pos - first, offset=first)
+        keep = np.ones(len(region), dtype=bool)
+        heads = np.frombuffer(starts, dtype=np.int64) - first
+        keep[(heads[:, None] - np.arange(8, 0, -1)).ravel()] = False  # the 8-byte lengths
+        blob = region[keep].tobytes()
+        del region  # the mapping may close once no array looks at it
+        lengths = np.diff(np.append(heads, len(keep) + 8)) - 8
+        ends = array("I", np.cumsum(lengths).astype(np.uint32).tobytes()) if count else array("I")
+        return PackedStrings(blob, ends) if _whole_characters(blob, ends) else self._strings_one_by_one(first, count)
+
+    def _strings_one_by_one(self, first: int, count: int) -> PackedStrings:
+        data, pos = self.data, first
+        blob, ends = bytearray(), array("I")
         unpack = struct.Struct("<Q").unpack_from
         for _ in range(count):
             (length,) = unpack(data, pos)
-            pos += 8
-            if pos + length > end:
-                raise struct.error("string runs past the end of the file")
-            raw = data[pos:pos + length]
+            raw = data[pos + 8:pos + 8 + length]
             try:
                 raw.decode("utf-8")
             except UnicodeDecodeError:
                 raw = raw.decode("utf-8", errors="replace").encode("utf-8")
             blob += raw
             ends.append(len(blob))
-            pos += length
-        self.pos = pos
+            pos += 8 + length
         return PackedStrings(bytes(blob), ends)
 
     def value(self, type_id: int) -> Any:

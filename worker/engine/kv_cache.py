@@ -80,6 +80,7 @@ class KVCache:
         self.snapshots: dict[int, dict[int, list[np.ndarray]]] = {}
         self.rewindable = True
         self.capacity = 0
+        self.written = 0  # positions written since the storage was made: what its pages hold
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
         self._blocks: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}  # shape -> keys, values
@@ -107,6 +108,7 @@ class KVCache:
         self._blocks = blocks
         self.keys, self.values = keys_of, values_of
         self.capacity = new_capacity
+        self.written = self.length  # the new storage holds the valid prefix, nothing past it
 
     def reserve(self, n_new: int) -> None:
         """Make room for n_new more tokens before a forward pass writes them."""
@@ -137,6 +139,7 @@ class KVCache:
 
     def commit(self, token_ids: list[int]) -> None:
         self.length += len(token_ids)
+        self.written = max(self.written, self.length)
         self.tokens.extend(int(t) for t in token_ids)
         if self.snapshot_every and self.recurrent and self.length % self.snapshot_every == 0:
             self.snapshots[self.length] = self.copy_recurrent()
@@ -211,6 +214,22 @@ class KVCache:
         for held in [at for at in self.snapshots if at > self.length]:
             del self.snapshots[held]
         del self.tokens[self.length:]
+
+    def clear(self) -> None:
+        """Hold nothing and give the storage back to the system (it grows again when written)."""
+        self.truncate(0)
+        self.snapshots.clear()
+        self._blocks = {}
+        self.keys, self.values = [], []
+        self.capacity = self.written = 0
+        if self.spilled is not None:
+            self.spilled = 0
+
+    @property
+    def resident_bytes(self) -> int:
+        """What the storage's pages hold now: every position written since it was made (a
+        truncated cache keeps its pages until they are written again), windows for sliding layers."""
+        return self.full_bytes(self.written)
 
     def common_prefix(self, token_ids: list[int]) -> int:
         """How many leading tokens of token_ids this cache already holds (in a cache that is not
