@@ -78,6 +78,7 @@ class Gateway:
                                   max_buffered=settings.max_buffered, policy=settings.route,
                                   queue_tokens=settings.route_queue_tokens, wire=settings.wire)
         self._view: ModelView | None = None
+        self._viewer: asyncio.Task | None = None
         self.cut: asyncio.Event | None = None  # set when the drain timeout runs out (lifespan)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._toolless_models: set[str] = set()  # models already logged as having no tool convention
@@ -86,9 +87,36 @@ class Gateway:
         """In the server's event loop: connect to the worker; the drain timer will run in this loop."""
         self.cut, self._loop = asyncio.Event(), asyncio.get_running_loop()
         await self.workers.start()
+        self._viewer = asyncio.create_task(self._keep_view(), name="model-view")
 
     async def close(self) -> None:
+        if self._viewer is not None:
+            self._viewer.cancel()
         await self.workers.close()
+
+    async def _keep_view(self) -> None:
+        """Build the model's view (tokenizer, encoder, template) as soon as a worker's card
+        arrives, and again when a new card does, in a thread: the gateway answers ready only
+        once it is built, and no request waits for it, nor stalls the others while it is made."""
+        while True:
+            card = self.workers.card
+            if card is not None and (self._view is None or self._view.card is not card):
+                try:
+                    view = await asyncio.to_thread(ModelView.from_card, card)
+                except Exception:  # the card's tokenizer refused: requests say why (``view``)
+                    log.exception("the model card of %s could not be read", card.model_id)
+                    await asyncio.sleep(1.0)
+                    continue
+                if self.workers.card is card:
+                    self._view = view
+                    give_back_freed_memory()  # what building the tokenizer freed
+            await asyncio.sleep(0.05)
+
+    @property
+    def serving(self) -> bool:
+        """A worker's card has come and the view of its model is built."""
+        card = self.workers.card
+        return card is not None and self._view is not None and self._view.card is card
 
     def begin_drain(self) -> None:
         """Shutdown began (any thread, a signal handler too): replies still running when the
@@ -404,7 +432,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/health")
     async def health(request: Request) -> Response:
         workers = gateway.workers
-        card = workers.card
+        card = workers.card if gateway.serving else None
         if not getattr(request.state, KEY_HELD, True):  # without the API key: ready or not, nothing more
             return JSONResponse({"status": "loading" if card is None else "ok"},
                                 status_code=503 if card is None else 200)

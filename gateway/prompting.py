@@ -37,8 +37,7 @@ class ModelView:
 
     @classmethod
     def from_card(cls, card: ModelCard) -> "ModelView":
-        tokenizer = Tokenizer.from_spec(card.tokenizer)
-        tokenizer.warm()  # every request encodes: built now, not on the first one
+        tokenizer = Tokenizer.from_spec(card.tokenizer, encoder=True)  # every request encodes: built now
 
         def text(token_id: int | None) -> str:
             return tokenizer.id_to_piece(token_id) if token_id is not None else ""

@@ -220,8 +220,10 @@ class VocabularyModel:
         raise NotImplementedError
 
     @classmethod
-    def check(cls, spec: TokenizerSpec) -> None:
-        """Raise TokenizerError when a received spec lacks or garbles this kind's entries."""
+    def check(cls, spec: TokenizerSpec, merges: bool = True) -> None:
+        """Raise TokenizerError when a received spec lacks or garbles this kind's entries;
+        ``merges`` False: all but whether the merges name pieces of the vocabulary (the encoder,
+        built at once, refuses those itself)."""
 
     @classmethod
     def add_bos_default(cls, spec: TokenizerSpec) -> bool:
@@ -260,12 +262,14 @@ class PieceIndex:
     over a hundred (2 MB against 34 for Gemma's 262k pieces). A lookup bisects the keys and
     compares its candidates' UTF-8 with the spec's blob; of equal pieces the first wins."""
 
-    def __init__(self, spec: TokenizerSpec):
+    def __init__(self, spec: TokenizerSpec, tokens: list[str] | None = None):
+        """``tokens``: the spec's strings, where the caller has them made already."""
         n = spec.vocab_size
         self.id_mask = (1 << max(1, n.bit_length())) - 1
         self.high = ((1 << 64) - 1) ^ self.id_mask
         # the sort compares plain integers: no key function, no tuple per token
-        hashes = np.fromiter(map(hash, spec.tokens()), dtype=np.int64, count=n).view(np.uint64)
+        hashes = np.fromiter(map(hash, spec.tokens() if tokens is None else tokens), dtype=np.int64,
+                             count=n).view(np.uint64)
         self.keys = array("Q", np.sort((hashes & np.uint64(self.high)) | np.arange(n, dtype=np.uint64)).tobytes())
         self.blob, self.ends = spec.pieces, spec.piece_offsets()
 
@@ -309,11 +313,12 @@ class ByteLevelBPE(VocabularyModel):
         return {"pre": pre, "merges": merges}
 
     @classmethod
-    def check(cls, spec: TokenizerSpec) -> None:
+    def check(cls, spec: TokenizerSpec, merges: bool = True) -> None:
         if spec.merges is None:
             raise TokenizerError("tokenizer spec lacks merges")
         _check_pre(spec.pre)
-        _check_merges(spec)
+        if merges:
+            _check_merges(spec)
 
     @classmethod
     def add_bos_default(cls, spec: TokenizerSpec) -> bool:
@@ -445,7 +450,7 @@ class SentencePieceBPE(VocabularyModel):
         return {"scores": array("f", scores).tobytes(), "add_space_prefix": True if prefix is None else bool(prefix)}
 
     @classmethod
-    def check(cls, spec: TokenizerSpec) -> None:
+    def check(cls, spec: TokenizerSpec, merges: bool = True) -> None:
         if spec.scores is None or len(spec.scores) != 4 * spec.vocab_size:
             raise TokenizerError("tokenizer spec lacks one score per token")
 
@@ -463,12 +468,12 @@ class SentencePieceBPE(VocabularyModel):
     def all_piece_bytes(cls, tokens: list[str], types: bytes) -> list[bytes]:
         # one replace and one encode of the whole vocabulary, cut at a separator no piece holds
         separator = "\x00"
-        if any(separator in piece for piece in tokens):
+        joined = separator.join(tokens)
+        if not tokens or joined.count(separator) != len(tokens) - 1:  # a piece holds the separator
             return super().all_piece_bytes(tokens, types)
-        pieces = separator.join(tokens).replace("\u2581", " ").encode("utf-8").split(separator.encode())
-        for index, kind in enumerate(types):
-            if kind == TOKEN_BYTE:
-                pieces[index] = cls.piece_bytes(tokens[index], kind)
+        pieces = joined.replace("\u2581", " ").encode("utf-8").split(separator.encode())
+        for index in ids_of_types(types, (TOKEN_BYTE,)):
+            pieces[index] = cls.piece_bytes(tokens[index], TOKEN_BYTE)
         return pieces
 
     @classmethod
@@ -601,10 +606,11 @@ class Gemma4BPE(SentencePieceBPE):
         return {"merges": _strings(_get(meta, "tokenizer.ggml.merges", list))}
 
     @classmethod
-    def check(cls, spec: TokenizerSpec) -> None:
+    def check(cls, spec: TokenizerSpec, merges: bool = True) -> None:
         if spec.merges is None:
             raise TokenizerError("tokenizer spec lacks merges")
-        _check_merges(spec)
+        if merges:
+            _check_merges(spec)
 
     @classmethod
     def encode_with(cls, spec: TokenizerSpec, index: PieceIndex, space_prefix: bool,
@@ -627,8 +633,9 @@ VOCABULARY_MODELS: dict[str, type[VocabularyModel]] = {
 class Tokenizer:
     """Text <-> token ids, exactly as the model was trained to see them."""
 
-    def __init__(self, spec: TokenizerSpec):
-        """Build from a spec (see ``to_spec``); use ``from_gguf_metadata`` or ``from_spec``."""
+    def __init__(self, spec: TokenizerSpec, index: bool = False):
+        """Build from a spec (see ``to_spec``); use ``from_gguf_metadata`` or ``from_spec``.
+        ``index``: make piece -> id now, from the strings made here anyway (an encoder needs it)."""
         self._spec = spec
         self._pieces = PackedStrings(spec.pieces, spec.piece_offsets())  # the strings stay in the spec's blob
         self._types: bytes = bytes(spec.token_types)
@@ -661,10 +668,10 @@ class Tokenizer:
         self._blob = b"".join(pieces)
         self._ends = array("I", accumulate(map(len, pieces)))
         self._max_token_chars = max(map(len, tokens), default=1) or 1
-        del pieces, tokens
         # piece -> id and the encoders are built on first use: a process that only decodes (a
         # worker) never pays for them
-        self._index: PieceIndex | None = None
+        self._index: PieceIndex | None = PieceIndex(spec, tokens) if index else None
+        del pieces, tokens
         # (match_special, space_prefix) -> encoder
         self._backends: dict[tuple[bool, bool], Callable[[str], list[int]]] = {}
         self._backends_lock = threading.Lock()
@@ -710,8 +717,9 @@ class Tokenizer:
         return cls.from_spec(spec)
 
     @classmethod
-    def from_spec(cls, spec: TokenizerSpec | dict[str, Any]) -> Tokenizer:
-        """Rebuild from ``to_spec()`` output, or its map as msgpack carries it (``spec_map``)."""
+    def from_spec(cls, spec: TokenizerSpec | dict[str, Any], encoder: bool = False) -> Tokenizer:
+        """Rebuild from ``to_spec()`` output, or its map as msgpack carries it (``spec_map``).
+        ``encoder``: build the encoder now (``warm``), as a gateway does before it serves."""
         if isinstance(spec, dict):
             try:
                 spec = checked(spec, TokenizerSpec, "tokenizer spec")
@@ -734,7 +742,7 @@ class Tokenizer:
             spec.pieces.decode("utf-8", PIECE_ERRORS)
         except UnicodeDecodeError as exc:
             raise TokenizerError(f"tokenizer spec's pieces are not UTF-8: {exc}") from exc
-        VOCABULARY_MODELS[spec.model].check(spec)
+        VOCABULARY_MODELS[spec.model].check(spec, merges=not encoder)
         size = spec.vocab_size
         if len(spec.token_types) != size:
             raise TokenizerError(f"tokenizer spec has {len(spec.token_types)} token types "
@@ -745,7 +753,10 @@ class Tokenizer:
         if spec.add_eos and spec.eos_id is None:
             raise TokenizerError("the vocabulary asks for an EOS token but names none "
                                  "(tokenizer.ggml.eos_token_id)")
-        return cls(spec)
+        tokenizer = cls(spec, index=encoder)
+        if encoder:
+            tokenizer.warm()
+        return tokenizer
 
     def to_spec(self) -> TokenizerSpec:
         """Everything needed to rebuild this tokenizer, as plain values (a copy: the caller may

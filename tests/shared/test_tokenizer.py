@@ -303,6 +303,17 @@ def test_inconsistent_merges_are_a_clear_error(smollm_metadata):
         Tokenizer.from_gguf_metadata(_with(smollm_metadata, merges=["notatoken Ġt"]))
 
 
+@pytest.mark.parametrize("merge", ["notatoken Ġt", "Ġt Ġt"])  # a part, then only the union, not in the vocabulary
+def test_a_gateway_building_its_encoder_refuses_inconsistent_merges_too(smollm_metadata, merge):
+    """A gateway builds its encoder with the tokenizer and leaves the merges' check to it."""
+    spec = Tokenizer.from_gguf_metadata(smollm_metadata).to_spec()
+    assert "ĠtĠt" not in spec.tokens()
+    spec.merges = [*spec.merges, merge]
+    for encoder in (False, True):
+        with pytest.raises(TokenizerError, match="merges are inconsistent"):
+            Tokenizer.from_spec(spec, encoder=encoder)
+
+
 def test_add_bos_without_bos_id_is_refused(smollm_metadata):
     meta = _with(smollm_metadata, add_bos_token=True, bos_token_id=None)
     with pytest.raises(TokenizerError, match="BOS"):
