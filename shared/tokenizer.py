@@ -774,6 +774,11 @@ class Tokenizer:
             self._index = PieceIndex(self._spec)
         return self._index
 
+    @property
+    def has_encoder(self) -> bool:
+        """Whether an encoder has been built (a process that only decodes never builds one)."""
+        return bool(self._backends)
+
     def warm(self) -> None:
         """Build the encoder now rather than on the first ``encode`` (a gateway, before it serves)."""
         self._backend(True, True)

@@ -15,6 +15,11 @@ from worker.engine.model import DecoderModel
 FORK_MIN_TOKENS = 64
 
 
+def resident_slot_count(kv_slots: int, batch: int) -> int:
+    """Resident KV caches: --kv-slots, raised to --batch, since every stream of a batch holds one."""
+    return max(kv_slots, batch)
+
+
 @dataclass
 class Slot:
     index: int

@@ -24,7 +24,8 @@ from worker.engine import Engine, kernels
 from worker.engine.compile_ahead import describe
 from worker.flags import build_parser, check_worker_flags, metrics_host, model_argument, sampling_flags
 from worker.kv_spill import KVSpiller
-from worker.scheduler import SchedulerSettings, resident_slot_count
+from worker.kv_slots import resident_slot_count
+from worker.scheduler import SchedulerSettings
 from worker.scripted import ScriptedReplies
 from worker.speculation import DRAFT, KINDS, MTP, SpeculationSettings
 from shared.wire_security import ServerKeys, is_loopback_endpoint

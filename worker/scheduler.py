@@ -31,18 +31,13 @@ from worker.cartridges.fleet import Fleet
 from worker.decoding import Decoding
 from worker.engine import Engine, kernels
 from worker.grammar import GrammarEngine
-from worker.kv_slots import SlotPool
+from worker.kv_slots import SlotPool, resident_slot_count
 from worker.kv_spill import KVSpiller
 from worker.scripted import ScriptedReplies
 from worker.speculation import SpeculationSettings
 from worker.stream import Send, Stream, open_stream
 
 log = logging.getLogger("lmserve.worker")
-
-
-def resident_slot_count(kv_slots: int, batch: int) -> int:
-    """Resident KV caches: --kv-slots, raised to --batch, since every stream of a batch holds one."""
-    return max(kv_slots, batch)
 
 
 @dataclass

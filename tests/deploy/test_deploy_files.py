@@ -633,7 +633,7 @@ def test_the_worker_memory_limit_holds_its_kv_slots_for_the_default_model(defaul
     worker takes for the default model (its trained context, when --ctx is unset)."""
     from worker.engine import Engine
     from worker.main import AUTO_SLOTS
-    from worker.scheduler import resident_slot_count
+    from worker.kv_slots import resident_slot_count
 
     worker = _container(_workloads()["lmserve-worker"], "worker")
     args = _worker_args("kubernetes", monkeypatch)

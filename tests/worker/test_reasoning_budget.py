@@ -61,7 +61,7 @@ def test_markers_are_the_conventions_own_tokens_or_none(qwen_tokenizer, smollm_t
     assert think == ReasoningMarkers((qwen_tokenizer.piece_to_id("<think>"),), (qwen_tokenizer.piece_to_id("</think>"),))
     fresh = Tokenizer.from_spec(qwen_tokenizer.to_spec())
     assert ReasoningMarkers.of(fresh, hermes.HERMES) == think
-    assert not fresh._backends  # added tokens are looked up: a worker builds no encoder for them
+    assert not fresh.has_encoder  # added tokens are looked up: a worker builds no encoder for them
     assert ReasoningMarkers.of(smollm_tokenizer, hermes.HERMES) is None  # <think> is no token of its vocabulary
     assert ReasoningMarkers.of(qwen_tokenizer, nanochat.NANOCHAT) is None  # a convention without reasoning
     gemma = Tokenizer.from_gguf_metadata(gemma4_vocab_metadata())
