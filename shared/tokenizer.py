@@ -170,7 +170,7 @@ def _fim_ids(meta: dict[str, Any], tokens: list[str], types: bytes) -> list[int]
     ids = [_optional_id(meta, key, len(tokens)) for key in FIM_KEYS]
     if all(i is not None for i in ids):
         return ids
-    added = {tokens[i]: i for i in (ids_of_types(types, (TOKEN_CONTROL, TOKEN_USER_DEFINED)))}
+    added = {tokens[i]: i for i in ids_of_types(types, (TOKEN_CONTROL, TOKEN_USER_DEFINED))}
     for texts in FIM_TEXTS:
         if all(text in added for text in texts):
             return [added[text] for text in texts]

@@ -30,6 +30,22 @@ def _offsets(data: bytes) -> array:
     return ends
 
 
+def character_starts(blob: bytes):
+    """Per byte of UTF-8 text, whether a character starts there (not a continuation byte)."""
+    import numpy as np  # here: the light modules that import this one do not load numpy
+
+    return (np.frombuffer(blob, dtype=np.uint8) & 0xC0) != 0x80
+
+
+def cut_between_characters(starts, ends: array) -> bool:
+    """Whether strings ending at ``ends`` in a text whose ``character_starts`` are ``starts``
+    are cut only between characters (then each is UTF-8 where the whole text is)."""
+    import numpy as np
+
+    cuts = np.frombuffer(ends, dtype=np.uint32)
+    return bool(starts[cuts[cuts < len(starts)]].all())
+
+
 class PackedStrings(Sequence[str]):
     """Strings kept as one UTF-8 blob and the offset where each ends, each made only when read:
     how a GGUF reader hands over a vocabulary without a string object per token (objects that,
@@ -80,10 +96,10 @@ class PackedStrings(Sequence[str]):
             text = self.blob.decode("utf-8", PIECE_ERRORS)
         except UnicodeDecodeError:
             return list(self)  # the string that is not UTF-8 raises as it would alone
-        ends = np.frombuffer(self.ends, dtype=np.uint32).astype(np.int64)
-        leading = (np.frombuffer(self.blob, dtype=np.uint8) & 0xC0) != 0x80  # a character starts there
-        if not leading[ends[ends < len(leading)]].all():
+        leading = character_starts(self.blob)
+        if not cut_between_characters(leading, self.ends):
             return list(self)  # a string ends inside a character: each one decoded alone, as it must be
+        ends = np.frombuffer(self.ends, dtype=np.uint32).astype(np.int64)
         chars_before = np.concatenate(([0], np.cumsum(leading)))
         char_ends = chars_before[ends].tolist()
         return list(map(text.__getitem__, map(slice, [0, *char_ends], char_ends)))

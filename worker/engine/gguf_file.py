@@ -32,7 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
 
 from shared.errors import ModelLoadError
 from shared.gguf_names import split_part_paths
-from shared.tokenizer_spec import PackedStrings
+from shared.tokenizer_spec import PackedStrings, character_starts, cut_between_characters
 from worker.engine import kernels, q2_0
 from worker.engine.weights import DenseWeight, QuantizedWeight, Weight, has_kernel, row_bytes
 
@@ -112,9 +112,7 @@ def _whole_characters(blob: bytes, ends: array) -> bool:
         blob.decode("utf-8")
     except UnicodeDecodeError:
         return False
-    cuts = np.frombuffer(ends, dtype=np.uint32)
-    cuts = cuts[cuts < len(blob)]
-    return not bool(((np.frombuffer(blob, dtype=np.uint8)[cuts] & 0xC0) == 0x80).any())
+    return cut_between_characters(character_starts(blob), ends)
 
 
 class HeaderCursor:
