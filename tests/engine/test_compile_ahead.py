@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from worker.engine import kernels
-from worker.engine.compile_ahead import HELPER, describe, leaf_jobs, shares
+from worker.engine.compile_ahead import HELPER, describe, leaf_jobs, pending, shares, steps_job
 
 Q = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels need AVX2, FMA and F16C")
@@ -22,6 +22,21 @@ def test_the_jobs_say_what_a_file_needs():
     assert describe(["gemm:Q8_0"]) == "Q8_0 matrices"
     assert describe(["attention:f32", "gemm:Q5_0", "gemm:Q8_0", "gemm:Q4_K"]) == \
         "attention over an f32 cache, Q5_0, Q8_0 and Q4_K matrices"
+    assert describe(["gemm:Q8_0", "steps:qwen3-037fd4a7c95a"]) == \
+        "Q8_0 matrices, the qwen3 block steps for these weight types"
+
+
+def test_the_block_steps_are_one_job_per_architecture_weight_types_and_cache_type(default_model):
+    from worker.engine import Engine
+
+    held = Engine.load(default_model).model.held_weights()
+    job = steps_job("llama", held, "f16")
+    assert job.startswith("steps:llama-") and job == steps_job("llama", list(reversed(held)), "f16")
+    assert steps_job("llama", held, "f32") != job  # the attention steps take the cache's arrays
+    assert steps_job("qwen3", held, "f16").partition("-")[2] == job.partition("-")[2]
+    without_q8 = [w for w in held if getattr(w, "qtype", None) != Q.Q8_0]
+    assert 0 < len(without_q8) < len(held)
+    assert steps_job("llama", without_q8, "f16") != job  # a file without one of these weight types
 
 
 def test_the_attention_kernel_has_a_helper_to_itself_and_the_gemms_share_the_rest():
@@ -56,9 +71,13 @@ def test_a_warm_cache_spawns_no_helper(default_model):
 
     first = Engine.load(default_model)
     first.warm_up()
+    assert not pending(steps_job(first.architecture, first.model.held_weights(), first.model.kv_type))
     again = Engine.load(default_model)
     assert again.compiling is not None and again.compiling.jobs == [] and not again.compiling.processes
     assert leaf_jobs({Q.Q4_1, Q.Q8_0}, "f16") == []
+    heard = []
+    again.warm_up(on_compile=heard.append)
+    assert heard == []  # neither a leaf kernel nor the block steps of these types compile again
 
 
 def test_the_compiler_gives_back_its_pages_and_the_kernels_still_run(default_model):

@@ -11,6 +11,11 @@ Each helper marks what it compiled (a file in numba's cache directory, which is 
 of the kernel sources, named for the CPU), so a later start spawns nothing. A helper that fails
 costs only time: the warm-up then compiles that kernel itself.
 
+The block steps around the leaves (``fused.py``, the norms, the head) compile in the warm-up
+itself, once for each combination of an architecture, its weights' types and the cache's
+(``steps_job``): the warm-up marks that combination when it is done, so a start whose leaves
+are all cached but whose combination is new still says it compiles.
+
     python -c "$HELPER" attention:f16 gemm:Q4_K …   (what a helper runs: ``main``)
 """
 
@@ -84,7 +89,27 @@ def describe(jobs: list[str]) -> str:
     types = [job.partition(":")[2] for job in jobs if job.startswith("gemm:")]
     if types:
         parts.append(" and ".join([", ".join(types[:-1]), types[-1]] if len(types) > 1 else types) + " matrices")
+    parts += [f"the {job.partition(':')[2].partition('-')[0]} block steps for these weight types"
+              for job in jobs if job.startswith("steps:")]
     return ", ".join(parts)
+
+
+def steps_job(architecture: str, held: list, kv_type: str) -> str:
+    """The job naming the block steps a model compiles in its warm-up: its architecture, and a
+    digest of how its weights are held (the kind and type of each: numba compiles a function
+    once per combination of argument types) and of its cache's type."""
+    kinds = sorted({f"{w.dtype}/{w.ndim}" if isinstance(w, np.ndarray) else
+                    f"{type(w).__name__}:{getattr(w.qtype, 'name', w.qtype)}/{len(w.shape)}" for w in held})
+    digest = hashlib.sha256(repr((kv_type, kinds)).encode()).hexdigest()[:12]
+    return f"steps:{architecture}-{digest}"
+
+
+def pending(job: str) -> bool:
+    return not _marker(job).exists()
+
+
+def mark_done(job: str) -> None:
+    _marker(job).touch()
 
 
 def leaf_jobs(packed_types, kv_type: str) -> list[str]:

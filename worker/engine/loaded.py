@@ -19,7 +19,7 @@ from shared.tokenizer import Tokenizer
 from worker.engine import kernels
 from worker.engine.archs import load_model
 from worker.engine.checkpoint import NanochatCheckpoint
-from worker.engine.compile_ahead import CompileAhead
+from worker.engine.compile_ahead import CompileAhead, mark_done, pending, steps_job
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kv_cache import KVCache
 from worker.engine.model import DecoderModel
@@ -83,8 +83,11 @@ class Engine:
         thread) runs the kernels, and libgomp then puts idle threads to sleep between parallel
         regions instead of spinning: a served decode step took three times as long."""
         ahead = self.compiling if self.compiling is not None and self.compiling.jobs else None
-        if ahead is not None and on_compile is not None:
-            on_compile(ahead.jobs)
+        steps = [steps_job(self.architecture, self.model.held_weights(), self.model.kv_type)] \
+            if self.compiling is not None else []
+        steps = [job for job in steps if pending(job)]
+        if (ahead is not None or steps) and on_compile is not None:
+            on_compile((ahead.jobs if ahead is not None else []) + steps)
         self.compiling = None
         failure: list[BaseException] = []
 
@@ -107,6 +110,8 @@ class Engine:
         thread.join()
         if failure:
             raise failure[0]
+        for job in steps:
+            mark_done(job)
         kernels.page_out_compiler()
 
     def prefill(self, cache: KVCache, tokens: list[int], chunk: int = DEFAULT_PREFILL_CHUNK) -> np.ndarray:

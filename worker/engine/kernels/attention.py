@@ -218,10 +218,11 @@ def _softmax_block(scores, row, lo, hi, scale, softcap, running_max, running_sum
 
 
 @njit(inline="always", cache=True)
-def _add_values(vf, weights, r, first_key, last_key, acc, c):
-    """acc[r..r+3] dims of chunk pair c (2 · WIDTH dims) += Σ_j weight · value over keys
-    first_key..last_key-1 in order (a row's weights outside its own keys are 0, adding nothing)."""
-    at = 2 * WIDTH * c
+def _add_values_two(vf, weights, r, first_key, last_key, acc, c):
+    """acc[r..r+3] dims of step c (VALUE_STEP · WIDTH dims, here 2 · WIDTH) += Σ_j weight ·
+    value over keys first_key..last_key-1 in order (a row's weights outside its own keys are 0,
+    adding nothing)."""
+    at = VALUE_STEP * WIDTH * c
     o0, o1, o2, o3 = acc[r], acc[r + 1], acc[r + 2], acc[r + 3]
     a0, a1 = load_floats(o0, at), load_floats(o0, at + WIDTH)
     a2, a3 = load_floats(o1, at), load_floats(o1, at + WIDTH)
@@ -245,6 +246,51 @@ def _add_values(vf, weights, r, first_key, last_key, acc, c):
     put_floats(o2, at + WIDTH, a5)
     put_floats(o3, at, a6)
     put_floats(o3, at + WIDTH, a7)
+
+
+@njit(inline="always", cache=True)
+def _add_values_four(vf, weights, r, first_key, last_key, acc, c):
+    """``_add_values_two`` over 4 · WIDTH dims a step: sixteen accumulators (of AVX-512's 32
+    registers) against four loads and four broadcasts a key, the same sums."""
+    at = VALUE_STEP * WIDTH * c
+    o0, o1, o2, o3 = acc[r], acc[r + 1], acc[r + 2], acc[r + 3]
+    a0, a1, a2, a3 = load_floats(o0, at), load_floats(o0, at + WIDTH), load_floats(o0, at + 2 * WIDTH), \
+        load_floats(o0, at + 3 * WIDTH)
+    b0, b1, b2, b3 = load_floats(o1, at), load_floats(o1, at + WIDTH), load_floats(o1, at + 2 * WIDTH), \
+        load_floats(o1, at + 3 * WIDTH)
+    c0, c1, c2, c3 = load_floats(o2, at), load_floats(o2, at + WIDTH), load_floats(o2, at + 2 * WIDTH), \
+        load_floats(o2, at + 3 * WIDTH)
+    d0, d1, d2, d3 = load_floats(o3, at), load_floats(o3, at + WIDTH), load_floats(o3, at + 2 * WIDTH), \
+        load_floats(o3, at + 3 * WIDTH)
+    for j in range(first_key, last_key):
+        row = vf[j]
+        v0, v1, v2, v3 = load_floats(row, at), load_floats(row, at + WIDTH), load_floats(row, at + 2 * WIDTH), \
+            load_floats(row, at + 3 * WIDTH)
+        p = splat_float(weights[r, j])
+        a0, a1, a2, a3 = fma_float(p, v0, a0), fma_float(p, v1, a1), fma_float(p, v2, a2), fma_float(p, v3, a3)
+        p = splat_float(weights[r + 1, j])
+        b0, b1, b2, b3 = fma_float(p, v0, b0), fma_float(p, v1, b1), fma_float(p, v2, b2), fma_float(p, v3, b3)
+        p = splat_float(weights[r + 2, j])
+        c0, c1, c2, c3 = fma_float(p, v0, c0), fma_float(p, v1, c1), fma_float(p, v2, c2), fma_float(p, v3, c3)
+        p = splat_float(weights[r + 3, j])
+        d0, d1, d2, d3 = fma_float(p, v0, d0), fma_float(p, v1, d1), fma_float(p, v2, d2), fma_float(p, v3, d3)
+    _put_four(o0, at, a0, a1, a2, a3)
+    _put_four(o1, at, b0, b1, b2, b3)
+    _put_four(o2, at, c0, c1, c2, c3)
+    _put_four(o3, at, d0, d1, d2, d3)
+
+
+@njit(inline="always", cache=True)
+def _put_four(out, at, x0, x1, x2, x3):
+    put_floats(out, at, x0)
+    put_floats(out, at + WIDTH, x1)
+    put_floats(out, at + 2 * WIDTH, x2)
+    put_floats(out, at + 3 * WIDTH, x3)
+
+
+# the value sums' step: as many dims as sixteen accumulators hold where there are 32 registers
+VALUE_STEP = 4 if WIDTH == 16 else 2
+_add_values = _add_values_four if VALUE_STEP == 4 else _add_values_two
 
 
 @njit(inline="always", cache=True)
@@ -282,7 +328,7 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
     value_dim = values.shape[2]
     group = n_head // n_kv
     d_chunks = (head_dim + WIDTH - 1) // WIDTH
-    v_steps = (value_dim + 2 * WIDTH - 1) // (2 * WIDTH)  # the value sums take 2 · WIDTH dims a step
+    v_steps = (value_dim + VALUE_STEP * WIDTH - 1) // (VALUE_STEP * WIDTH)  # the value sums' steps
     query_blocks = (n_tokens + QUERY_BLOCK - 1) // QUERY_BLOCK
     kv = task % n_kv
     # blocks in the order first, last, second, second last, ...: later queries see more
@@ -305,10 +351,10 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
         position[r] = first_pos + t0 + real // group
         _widen_row(q[t0 + real // group, kv * group + real % group], head_dim, qf, r, d_chunks)
     kf = np.empty((0 if direct else KEY_BLOCK, WIDTH * d_chunks), dtype=np.float32)
-    vf = np.empty((0 if direct else KEY_BLOCK, 2 * WIDTH * v_steps), dtype=np.float32)
+    vf = np.empty((0 if direct else KEY_BLOCK, VALUE_STEP * WIDTH * v_steps), dtype=np.float32)
     scores = np.empty((padded, KEY_BLOCK), dtype=np.float32)
     lanes = np.empty(16, dtype=np.float32)
-    acc = np.zeros((padded, 2 * WIDTH * v_steps), dtype=np.float32)
+    acc = np.zeros((padded, VALUE_STEP * WIDTH * v_steps), dtype=np.float32)
     running_max = np.full(padded, -np.inf, dtype=np.float32)
     running_sum = np.zeros(padded, dtype=np.float32)
     lowest = max(0, first_pos + t0 - window + 1) if window > 0 else 0
@@ -320,7 +366,7 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
             _widen_row(keys[kv, start + j] if present else keys[kv, start], head_dim if present else 0, kf, j,
                        d_chunks)
             _widen_row(values[kv, start + j] if present else values[kv, start], value_dim if present else 0,
-                       vf, j, 2 * v_steps)
+                       vf, j, VALUE_STEP * v_steps)
         # rows are in token order and a span's ends grow with the position: the keys a
         # tile's rows may see run from its first row's lo to its last row's hi
         for r in range(0, padded, tile):
