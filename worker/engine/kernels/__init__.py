@@ -16,9 +16,10 @@ from pathlib import Path
 REQUIRED_FEATURES = ("avx2", "fma", "f16c")
 
 
-def cache_directory(sources: list[Path], base: str) -> str:
+def cache_directory(sources: list[Path], base: str, tiles: bool = False) -> str:
     """Where numba caches the kernels compiled from ``sources``: ``base`` joined with a hash of
-    their names and contents.
+    their names and contents, and of whether they use the tile unit (``use_tiles``: a choice
+    numba's own cache key, the CPU, does not tell).
 
     numba tells a stale cached kernel by its own file's contents only, but the kernels here
     inline functions of other files (``simd.py``'s operations, ``blocks.py``'s decoders): after
@@ -27,6 +28,8 @@ def cache_directory(sources: list[Path], base: str) -> str:
     digest = hashlib.sha256()
     for source in sorted(sources):
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    if tiles:
+        digest.update(b"tiles")
     return os.path.join(base, digest.hexdigest()[:16])
 
 
@@ -39,10 +42,7 @@ def _use_cache_of_these_sources() -> None:
     from shared.default_model import cache_dir
 
     base = os.environ.get("NUMBA_CACHE_DIR") or str(cache_dir() / "kernels")
-    numba.config.CACHE_DIR = cache_directory(list(Path(__file__).parent.glob("*.py")), base)
-
-
-_use_cache_of_these_sources()
+    numba.config.CACHE_DIR = cache_directory(list(Path(__file__).parent.glob("*.py")), base, use_tiles())
 
 
 @functools.cache
@@ -61,6 +61,36 @@ def target_features() -> dict[str, bool]:
 def target_has(*names: str) -> bool:
     features = target_features()
     return all(features.get(name, False) for name in names)
+
+
+@functools.cache
+def use_tiles() -> bool:
+    """Whether the GEMM takes blocks of 16 rows through the tile unit (``tiles.py``): the target
+    has AMX-TILE and AMX-INT8 and 512-bit vectors, ``LMSERVE_TILES`` is not ``0``, and the
+    kernel lets this process use the tile registers (asked here, once a process: Linux keeps
+    them off until a process asks)."""
+    if os.environ.get("LMSERVE_TILES", "1") == "0":
+        return False
+    if not target_has("avx512f", "avx512bw", "amx-tile", "amx-int8"):
+        return False
+    return _tile_registers_granted()
+
+
+def _tile_registers_granted() -> bool:
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18  # asm/prctl.h
+    try:
+        return ctypes.CDLL(None, use_errno=True).syscall(sys_arch_prctl, arch_req_xcomp_perm,
+                                                         xfeature_xtiledata) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+_use_cache_of_these_sources()
 
 
 @functools.cache

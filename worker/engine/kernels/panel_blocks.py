@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from numba import njit
 
+from worker.engine.kernels import tiles
 from worker.engine.kernels.wide_simd import (LANES, PANEL, SIGNED_OFFSET, add_int, bits_of_bytes,
                                                dot_prepared_signed, dot_unsigned, field, fma_float, fma_splat,
                                                load_bytes, load_halves, load_signed_bytes, load_words, minus_splat,
                                                mul_float, mul_int, or_bytes, or_int, prepare_signed, shifted_left,
-                                               shifted_up, splat_quad, times_splat, to_floats, with_bit_set,
-                                               zeros_int)
+                                               shifted_up, splat_quad, store_bytes, times_splat, to_floats,
+                                               with_bit_set, zeros_int, load_floats, put_floats)
 
 P, L = PANEL, LANES
 
@@ -64,7 +65,11 @@ def _half_dots(gs, a, k, first):
 
 
 # --- how each row meets a decoded unit -----------------------------------------------------------
-# row(unit, values, scales, sums, isums, hsums, r, u, acc, low) -> acc, low
+# row(unit, values, scales, sums, isums, hsums, r, u, acc, low) -> acc, low: the unit's integer
+# products with row r by the vector unit, then ``finish``;
+# finish(unit, ints, scales, sums, isums, hsums, r, u, acc, low) -> acc, low: the float steps
+# from the row's integer products ``ints`` (Σ level · a over the unit, and where a type scales
+# each 16 weights, over its second half too), which the tile unit gives as well (``tiles_*``)
 
 @njit(**_inline)
 def _scaled(dw, da, integer, acc):
@@ -72,46 +77,135 @@ def _scaled(dw, da, integer, acc):
 
 
 @njit(**_inline)
+def _both(integer):
+    return integer, integer
+
+
+@njit(**_inline)
+def finish_centred_8(unit, ints, scales, sums, isums, hsums, r, u, acc, low):
+    return _scaled(unit[1], scales[r, u], minus_splat(ints[0], 8 * isums[r, u]), acc), low
+
+
+@njit(**_inline)
 def row_centred_8(unit, values, scales, sums, isums, hsums, r, u, acc, low):
-    gs, dw = unit
-    return _scaled(dw, scales[r, u], minus_splat(_dots(gs, values[r], 32 * u), 8 * isums[r, u]), acc), low
+    return finish_centred_8(unit, _both(_dots(unit[0], values[r], 32 * u)), scales, sums, isums, hsums, r, u, acc, low)
+
+
+@njit(**_inline)
+def finish_centred_16(unit, ints, scales, sums, isums, hsums, r, u, acc, low):
+    return _scaled(unit[1], scales[r, u], minus_splat(ints[0], 16 * isums[r, u]), acc), low
 
 
 @njit(**_inline)
 def row_centred_16(unit, values, scales, sums, isums, hsums, r, u, acc, low):
-    gs, dw = unit
-    return _scaled(dw, scales[r, u], minus_splat(_dots(gs, values[r], 32 * u), 16 * isums[r, u]), acc), low
+    return finish_centred_16(unit, _both(_dots(unit[0], values[r], 32 * u)), scales, sums, isums, hsums, r, u, acc,
+                             low)
+
+
+@njit(**_inline)
+def finish_centred_1(unit, ints, scales, sums, isums, hsums, r, u, acc, low):
+    return _scaled(unit[1], scales[r, u], minus_splat(ints[0], isums[r, u]), acc), low
 
 
 @njit(**_inline)
 def row_centred_1(unit, values, scales, sums, isums, hsums, r, u, acc, low):
-    gs, dw = unit
-    return _scaled(dw, scales[r, u], minus_splat(_dots(gs, values[r], 32 * u), isums[r, u]), acc), low
+    return finish_centred_1(unit, _both(_dots(unit[0], values[r], 32 * u)), scales, sums, isums, hsums, r, u, acc, low)
+
+
+@njit(**_inline)
+def finish_signed(unit, ints, scales, sums, isums, hsums, r, u, acc, low):
+    """ints: Σ q · a with the signed weights themselves."""
+    return _scaled(unit[1], scales[r, u], ints[0], acc), low
 
 
 @njit(**_inline)
 def row_signed(unit, values, scales, sums, isums, hsums, r, u, acc, low):
-    gs, dw = unit
-    integer = _dots_signed(gs, values[r], 32 * u)
+    integer = _dots_signed(unit[0], values[r], 32 * u)
     if SIGNED_OFFSET:
         integer = minus_splat(integer, SIGNED_OFFSET * isums[r, u])
-    return _scaled(dw, scales[r, u], integer, acc), low
+    return finish_signed(unit, _both(integer), scales, sums, isums, hsums, r, u, acc, low)
+
+
+@njit(**_inline)
+def finish_with_minimum(unit, ints, scales, sums, isums, hsums, r, u, acc, low):
+    return _scaled(unit[1], scales[r, u], ints[0], acc), fma_splat(unit[2], sums[r, u], low)
 
 
 @njit(**_inline)
 def row_with_minimum(unit, values, scales, sums, isums, hsums, r, u, acc, low):
-    gs, dw, off = unit
-    return _scaled(dw, scales[r, u], _dots(gs, values[r], 32 * u), acc), fma_splat(off, sums[r, u], low)
+    return finish_with_minimum(unit, _both(_dots(unit[0], values[r], 32 * u)), scales, sums, isums, hsums, r, u, acc,
+                               low)
+
+
+@njit(**_inline)
+def finish_half_scaled(unit, ints, scales, sums, isums, hsums, r, u, acc, low):
+    """Q6_K: each 16 weights have their own integer scale; levels are centred on 32."""
+    gs, d, scale0, scale1 = unit
+    first = minus_splat(ints[0], 32 * hsums[r, 2 * u])
+    second = minus_splat(ints[1], 32 * hsums[r, 2 * u + 1])
+    return _scaled(d, scales[r, u], add_int(mul_int(scale0, first), mul_int(scale1, second)), acc), low
 
 
 @njit(**_inline)
 def row_half_scaled(unit, values, scales, sums, isums, hsums, r, u, acc, low):
-    """Q6_K: each 16 weights have their own integer scale; levels are centred on 32."""
-    gs, d, scale0, scale1 = unit
     a = values[r]
-    first = minus_splat(_half_dots(gs, a, 32 * u, 0), 32 * hsums[r, 2 * u])
-    second = minus_splat(_half_dots(gs, a, 32 * u + 16, 4), 32 * hsums[r, 2 * u + 1])
-    return _scaled(d, scales[r, u], add_int(mul_int(scale0, first), mul_int(scale1, second)), acc), low
+    ints = _half_dots(unit[0], a, 32 * u, 0), _half_dots(unit[0], a, 32 * u + 16, 4)
+    return finish_half_scaled(unit, ints, scales, sums, isums, hsums, r, u, acc, low)
+
+
+# --- the tile unit's products of a unit with 16 rows -------------------------------------------
+# levels(unit, levels, u): a decoded unit's levels written out where its tiles read them (512
+# bytes a unit), once a panel; tiles(w, at, u, values, r, levels, products, c): the integer
+# products of rows r..r+15 with unit u, 16 int32 a row, row r + i from byte c + 64·i of
+# ``products``
+
+
+@njit(**_inline)
+def levels_written(unit, levels, factors, u):
+    gs = unit[0]
+    for g in range(8):
+        store_bytes(levels, 8 * L * u + L * g, gs[g])
+
+
+@njit(**_inline)
+def levels_in_panel(unit, levels, factors, u):
+    """Q8_0's tiles read the panel's own signed bytes."""
+
+
+@njit(**_inline)
+def levels_and_factors_written(unit, levels, factors, u):
+    """Q4_K and Q5_K: the six-bit scales and minimums of each unit unpacked once a panel, not
+    once for each eight rows (``factors_read``)."""
+    levels_written(unit, levels, factors, u)
+    put_floats(factors, 2 * P * u, unit[1])
+    put_floats(factors, 2 * P * u + P, unit[2])
+
+
+# factors(unit, w, at, u, factors) -> what ``finish`` takes of unit u (its levels, which the
+# compiler then leaves out, are not needed)
+
+@njit(**_inline)
+def factors_decoded(unit, w, at, u, factors):
+    return unit(w, at, u)
+
+
+@njit(**_inline)
+def factors_read(unit, w, at, u, factors):
+    dw = load_floats(factors, 2 * P * u)
+    return dw, dw, load_floats(factors, 2 * P * u + P)
+
+
+@njit(**_inline)
+def tiles_unsigned(w, at, u, values, r, levels, products, c):
+    n = values.shape[1]
+    tiles.product_unsigned(values, r * n + 32 * u, n, levels, 8 * L * u, products, c)
+
+
+@njit(**_inline)
+def tiles_q8_0(w, at, u, values, r, levels, products, c):
+    # the group vectors where ``unit_q8_0`` finds them
+    n = values.shape[1]
+    tiles.product_signed(values, r * n + 32 * u, n, w, at + u * 34 * P + 2 * P, products, c)
 
 
 # --- decoding one unit of a panel --------------------------------------------------------------

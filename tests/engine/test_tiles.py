@@ -1,0 +1,87 @@
+"""The tile unit (AMX) in the GEMM: its products are the exact integers, and a row that goes
+through it gets the bits it gets from the vector loops (alone, where it never does)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from numba import njit
+from test_kernels import random_blocks, row_width
+
+from worker.engine import kernels, panels
+from worker.engine.kernels import cache_directory, tiles
+from worker.engine.kernels.activations import QuantizedActivations
+from worker.engine.weights import GEMM_KERNELS
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels need AVX2, FMA and F16C")
+needs_tiles = pytest.mark.skipif(not kernels.use_tiles(), reason="this CPU (or its kernel) has no AMX tiles")
+TYPES = sorted(GEMM_KERNELS, key=lambda q: q.name)
+
+
+@njit
+def _products(config, activations, stride, levels, signed, out):
+    tiles.configure(config)
+    if signed:
+        tiles.product_signed(activations, 32, stride, levels, 64, out, 128)
+    else:
+        tiles.product_unsigned(activations, 32, stride, levels, 64, out, 128)
+    tiles.release()
+
+
+@needs_tiles
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned levels", "signed weights"])
+def test_a_tile_product_is_the_exact_integer_product(signed):
+    rng = np.random.default_rng(int(signed))
+    stride = 96  # 16 rows of activations 96 bytes apart, the unit's 32 from byte 32 of each
+    activations = rng.integers(-128, 128, (16, stride), dtype=np.int8)
+    # levels from byte 64: 8 rows of 64 bytes, four weights of each of 16 outputs a row
+    weights = rng.integers(-128, 128, (8, 64)) if signed else rng.integers(0, 64, (8, 64))
+    levels = np.concatenate([np.zeros(64, np.uint8), weights.astype(np.int8).view(np.uint8).ravel()])
+    out = np.zeros(128 + 16 * 64, dtype=np.uint8)
+    _products(tiles.CONFIGURATION, activations.view(np.uint8), stride, levels, signed, out)
+    a = activations[:, 32:64].astype(np.int64).reshape(16, 8, 4)  # row, group, weight of the group
+    w = weights.astype(np.int64).reshape(8, 16, 4)  # group, output, weight of the group
+    expected = np.einsum("rgk,gok->ro", a, w)
+    np.testing.assert_array_equal(out[128:].view(np.int32).reshape(16, 16), expected)
+    assert not out[:128].any()  # nothing written before the products
+
+
+@needs_tiles
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_rows_through_the_tiles_get_the_bits_they_get_alone(qtype):
+    """48 rows: three blocks of 16 through the tile unit, then 51 (three blocks and a tail of 3
+    by the vector loops); 13 units (a group of 8 and a part group); 37 outputs (the last panel
+    part-empty). Each row alone goes through the vector loops."""
+    rng = np.random.default_rng(50 + int(qtype))
+    n_in = row_width(qtype, 13)
+    packed = panels.pack(qtype, random_blocks(qtype, 37, n_in, rng))
+    x = rng.standard_normal((51, n_in)).astype(np.float32)
+    kernel = GEMM_KERNELS[qtype]
+
+    def product(rows: np.ndarray) -> np.ndarray:
+        out = np.full((rows.shape[0], 40), np.nan, dtype=np.float32)
+        kernel(packed, *QuantizedActivations(rows).parts, out[:, :37])
+        assert np.isnan(out[:, 37:]).all(), "a part-empty panel wrote past the last output"
+        return out[:, :37]
+
+    alone = np.concatenate([product(x[r:r + 1]) for r in range(51)])
+    np.testing.assert_array_equal(product(x[:48]), alone[:48])
+    np.testing.assert_array_equal(product(x), alone)
+    np.testing.assert_array_equal(product(x[5:21]), alone[5:21])  # one block that starts elsewhere
+
+
+def test_the_tiles_are_a_choice_of_the_machine_the_setting_and_the_cache():
+    sources = list(Path(kernels.__file__).parent.glob("*.py"))
+    assert cache_directory(sources, "base", tiles=True) != cache_directory(sources, "base")
+    env = {**os.environ, "LMSERVE_TILES": "0"}
+    probe = "from worker.engine import kernels; print(kernels.use_tiles())"
+    off = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert off.stdout.split() == ["False"]
+    features = kernels.target_features()
+    if not (features.get("amx-tile") and features.get("amx-int8")):
+        assert not kernels.use_tiles()

@@ -1,0 +1,104 @@
+"""The tile unit (AMX) where the CPU has it: a unit's integer products with sixteen rows at once.
+
+A tile product multiplies a tile of 16 activation rows by 32 int8 values (A) by the unit's eight
+group vectors (B, 8 rows of 64 bytes: ``panels.py`` lays a panel's levels out exactly as the
+tile unit reads them, four weights of each of the 16 outputs a row) into 16 × 16 int32 sums,
+the same integers ``dot_unsigned`` / ``dot_prepared_signed`` build lane by lane, so the GEMM
+(``gemm.py``) takes them through the same float steps and every row's result is bit for bit
+the vector loop's. Used only where the CPU has AMX-TILE and AMX-INT8, the kernel (Linux 5.16
+and later) lets this process use the tile registers, 512-bit vectors make a panel 16 outputs,
+and ``LMSERVE_TILES`` is not ``0``; ``kernels.use_tiles`` decides, once, before anything
+compiles.
+
+The tiles hold, as ``configuration`` sets them up (palette 1):
+
+    tmm0  the products        16 rows × 64 bytes (16 int32)
+    tmm1  activations         16 rows × 32 bytes (one unit)
+    tmm2  levels               8 rows × 64 bytes
+
+The instructions reach LLVM as inline assembly (numba has no AMX types).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import binding, ir
+from numba import types
+from numba.extending import intrinsic
+
+from worker.engine.kernels.simd import address_of
+
+ROWS = 16  # activation rows a tile product takes
+UNIT_BYTES = 32
+_I64 = ir.IntType(64)
+
+binding.initialize_native_asmparser()  # LLVM parses inline assembly only with it
+
+
+def configuration() -> np.ndarray:
+    """The 64-byte tile configuration (``ldtilecfg``'s operand) of the table above."""
+    config = np.zeros(64, dtype=np.uint8)
+    config[0] = 1  # palette 1
+    shapes = [(16, 64), (16, 32), (8, 64)]
+    for tile, (rows, row_bytes) in enumerate(shapes):
+        config[16 + 2 * tile:18 + 2 * tile] = np.frombuffer(np.uint16(row_bytes).tobytes(), np.uint8)
+        config[48 + tile] = rows
+    return config
+
+
+CONFIGURATION = configuration()
+
+
+def _run(builder: ir.IRBuilder, text: str, operands: list[ir.Value]) -> None:
+    kinds = ",".join(["r"] * len(operands) + ["~{memory}"])
+    fnty = ir.FunctionType(ir.VoidType(), [op.type for op in operands])
+    builder.call(ir.InlineAsm(fnty, text, kinds, side_effect=True), operands)
+
+
+def _address(context, builder, array_type, array, byte_offset) -> ir.Value:
+    return builder.ptrtoint(address_of(context, builder, array_type, array, byte_offset), _I64)
+
+
+def _i64(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    return builder.sext(value, _I64) if value.type.width < 64 else value
+
+
+@intrinsic
+def configure(typingctx, config):
+    """Set up this thread's tiles (``ldtilecfg``) from ``config``."""
+    def codegen(context, builder, sig, args):
+        _run(builder, "ldtilecfg ($0)", [_address(context, builder, sig.args[0], args[0], ir.Constant(_I64, 0))])
+        return context.get_dummy_value()
+    return types.none(config), codegen
+
+
+@intrinsic
+def release(typingctx):
+    """Give the tiles back (``tilerelease``): the thread's state is small again."""
+    def codegen(context, builder, sig, args):
+        _run(builder, "tilerelease", [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+def _product(instruction: str):
+    def typer(typingctx, activations, a_at, a_stride, levels, b_at, products, c_at):
+        """products (16 rows of 16 int32 from byte ``c_at``, 64 bytes apart) = the 16 activation
+        rows of 32 bytes from byte ``a_at``, ``a_stride`` bytes apart, times the 8 × 64 bytes of
+        levels from byte ``b_at``."""
+        def codegen(context, builder, sig, args):
+            a = _address(context, builder, sig.args[0], args[0], _i64(builder, args[1]))
+            b = _address(context, builder, sig.args[3], args[3], _i64(builder, args[4]))
+            c = _address(context, builder, sig.args[5], args[5], _i64(builder, args[6]))
+            _run(builder, "tilezero %tmm0\n\ttileloadd ($0,$1,1), %tmm1\n\ttileloadd ($2,$3,1), %tmm2\n\t"
+                          f"{instruction} %tmm2, %tmm1, %tmm0\n\ttilestored %tmm0, ($4,$3,1)",
+                 [a, _i64(builder, args[2]), b, ir.Constant(_I64, 64), c])
+            return context.get_dummy_value()
+        return types.none(activations, a_at, a_stride, levels, b_at, products, c_at), codegen
+    return typer
+
+
+# signed activations against unsigned levels (every type with a centre or a minimum), and
+# against signed weights (Q8_0)
+product_unsigned = intrinsic(_product("tdpbsud"))
+product_signed = intrinsic(_product("tdpbssd"))
