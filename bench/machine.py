@@ -25,9 +25,17 @@ def cpu_has_amx_int8() -> bool:
     return "amx_int8" in cpu_flags()
 
 
+def lmserve_gemm() -> str:
+    """Which loops lmserve's GEMM takes on this machine: the tile unit (AMX) for blocks of 16
+    rows, or the vector loops alone (``worker.engine.kernels.use_tiles``)."""
+    from worker.engine import kernels
+
+    return "AMX tiles for 16-row blocks" if kernels.available() and kernels.use_tiles() else "vectors"
+
+
 def machine_facts() -> dict[str, Any]:
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
-            "cpu_flags": sorted(cpu_flags())}
+            "cpu_flags": sorted(cpu_flags()), "lmserve_gemm": lmserve_gemm()}
 
 
 def wait_for_quiet(threshold: float, max_wait: float, probe: float = 5.0) -> float:

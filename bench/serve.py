@@ -69,7 +69,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.machine import machine_facts, wait_for_quiet
+from bench.machine import lmserve_gemm, machine_facts, wait_for_quiet
 from bench.measure import RepeatFigures, run_server_repeat, run_speculation_repeat
 from bench.memory import MemorySampler
 from bench.peer import (
@@ -261,7 +261,7 @@ def run_model(args: argparse.Namespace, argv: list[str] | None, model: str, plan
         if args.quiet >= 0:
             wait_for_quiet(args.quiet, args.quiet_wait)
         kernels = peer_kernels(peer_bin, model, args.threads)
-        print(f"bench.serve: {peer_kernel_line(kernels)}", flush=True)
+        print(f"bench.serve: {peer_kernel_line(kernels)}; lmserve's GEMM: {lmserve_gemm()}", flush=True)
     per_server: dict[str, list[RepeatFigures]] = {s: [] for s in wanted}
     loads: dict[str, list[dict[str, float]]] = {s: [] for s in wanted}
     commands: dict[str, list[str]] = {}
