@@ -203,9 +203,10 @@ _product = _with_tiles if use_tiles() else _vectors_only
 
 
 # One entry point per type: each compiles only when a weight of its type is first multiplied.
-# Q4_0 and Q6_K keep to the vector loops, which measured as fast as the tiles for them (512 rows
-# by 1,024 by 2,048 on a 2-core Sapphire Rapids: Q4_0 0.96x, Q6_K 0.99x; Q8_0 1.30x, Q5_0
-# 1.23x, Q5_K 1.56x, Q4_K 1.09x through the tiles).
+# Only Q8_0 takes the tiles: 1.30x the vector loops' rate there (512 rows by 1,024 by 2,048 on a
+# 2-core Sapphire Rapids), 1.17-1.19x a 2,048-token prefill of a Qwen3-0.6B-shaped Q8_0 file;
+# the other types gained 0.96-1.56x in the product and nothing measurable in a prefill, and each
+# type's tile loop costs a first start on a new machine some 10-15 seconds of compiling.
 # (The decoders are passed as attributes of their module: a function of this module handed to
 # the parallel loop would reach it as the address of a Python object, which numba's disk
 # cache cannot keep.)
@@ -223,44 +224,37 @@ def gemm_q4_0(w, values, scales, sums, isums, hsums, out):
 
 @njit(nogil=True, cache=True)
 def gemm_q4_1(w, values, scales, sums, isums, hsums, out):
-    return _product(blocks.unit_q4_1, blocks.row_with_minimum, blocks.levels_written, blocks.tiles_unsigned,
-                    blocks.factors_decoded, blocks.finish_with_minimum, w, values, scales, sums, isums, hsums, out)
+    return gemm(blocks.unit_q4_1, blocks.row_with_minimum, w, values, scales, sums, isums, hsums, out)
 
 
 @njit(nogil=True, cache=True)
 def gemm_q5_0(w, values, scales, sums, isums, hsums, out):
-    return _product(blocks.unit_q5_0, blocks.row_centred_16, blocks.levels_written, blocks.tiles_unsigned,
-                    blocks.factors_decoded, blocks.finish_centred_16, w, values, scales, sums, isums, hsums, out)
+    return gemm(blocks.unit_q5_0, blocks.row_centred_16, w, values, scales, sums, isums, hsums, out)
 
 
 @njit(nogil=True, cache=True)
 def gemm_q5_1(w, values, scales, sums, isums, hsums, out):
-    return _product(blocks.unit_q5_1, blocks.row_with_minimum, blocks.levels_written, blocks.tiles_unsigned,
-                    blocks.factors_decoded, blocks.finish_with_minimum, w, values, scales, sums, isums, hsums, out)
+    return gemm(blocks.unit_q5_1, blocks.row_with_minimum, w, values, scales, sums, isums, hsums, out)
 
 
 @njit(nogil=True, cache=True)
 def gemm_q2_0(w, values, scales, sums, isums, hsums, out):
-    return _product(blocks.unit_q2_0, blocks.row_centred_1, blocks.levels_written, blocks.tiles_unsigned,
-                    blocks.factors_decoded, blocks.finish_centred_1, w, values, scales, sums, isums, hsums, out)
+    return gemm(blocks.unit_q2_0, blocks.row_centred_1, w, values, scales, sums, isums, hsums, out)
 
 
 @njit(nogil=True, cache=True)
 def gemm_q2_0_128(w, values, scales, sums, isums, hsums, out):
-    return _product(blocks.unit_q2_0_128, blocks.row_centred_1, blocks.levels_written, blocks.tiles_unsigned,
-                    blocks.factors_decoded, blocks.finish_centred_1, w, values, scales, sums, isums, hsums, out)
+    return gemm(blocks.unit_q2_0_128, blocks.row_centred_1, w, values, scales, sums, isums, hsums, out)
 
 
 @njit(nogil=True, cache=True)
 def gemm_q4_k(w, values, scales, sums, isums, hsums, out):
-    return _product(blocks.unit_q4_k, blocks.row_with_minimum, blocks.levels_and_factors_written, blocks.tiles_unsigned,
-                    blocks.factors_read, blocks.finish_with_minimum, w, values, scales, sums, isums, hsums, out)
+    return gemm(blocks.unit_q4_k, blocks.row_with_minimum, w, values, scales, sums, isums, hsums, out)
 
 
 @njit(nogil=True, cache=True)
 def gemm_q5_k(w, values, scales, sums, isums, hsums, out):
-    return _product(blocks.unit_q5_k, blocks.row_with_minimum, blocks.levels_and_factors_written, blocks.tiles_unsigned,
-                    blocks.factors_read, blocks.finish_with_minimum, w, values, scales, sums, isums, hsums, out)
+    return gemm(blocks.unit_q5_k, blocks.row_with_minimum, w, values, scales, sums, isums, hsums, out)
 
 
 @njit(nogil=True, cache=True)

@@ -17,8 +17,8 @@ from worker.engine.kernels.wide_simd import (LANES, PANEL, SIGNED_OFFSET, add_in
                                                dot_prepared_signed, dot_unsigned, field, fma_float, fma_splat,
                                                load_bytes, load_halves, load_signed_bytes, load_words, minus_splat,
                                                mul_float, mul_int, or_bytes, or_int, prepare_signed, shifted_left,
-                                               shifted_up, splat_quad, store_bytes, times_splat, to_floats,
-                                               with_bit_set, zeros_int, load_floats, put_floats)
+                                               shifted_up, splat_quad, times_splat, to_floats,
+                                               with_bit_set, zeros_int)
 
 P, L = PANEL, LANES
 
@@ -153,19 +153,12 @@ def row_half_scaled(unit, values, scales, sums, isums, hsums, r, u, acc, low):
     return finish_half_scaled(unit, ints, scales, sums, isums, hsums, r, u, acc, low)
 
 
-# --- the tile unit's products of a unit with 16 rows -------------------------------------------
-# levels(unit, levels, u): a decoded unit's levels written out where its tiles read them (512
-# bytes a unit), once a panel; tiles(w, at, u, values, r, levels, products, c): the integer
-# products of rows r..r+15 with unit u, 16 int32 a row, row r + i from byte c + 64·i of
-# ``products``
-
-
-@njit(**_inline)
-def levels_written(unit, levels, factors, u):
-    gs = unit[0]
-    for g in range(8):
-        store_bytes(levels, 8 * L * u + L * g, gs[g])
-
+# --- the tile unit's products of a unit with 16 rows (Q8_0) -------------------------------------
+# levels(unit, levels, factors, u): a unit's levels written out where its tiles read them, once a
+# panel (Q8_0's are the panel's own bytes: nothing to write); tiles(w, at, u, values, r, levels,
+# products, c): the integer products of rows r..r+15 with unit u, 16 int32 a row, row r + i
+# from byte c + 64·i of ``products``; factors(unit, w, at, u, factors): what ``finish`` takes
+# of unit u (its levels, which the compiler then leaves out, are not needed)
 
 @njit(**_inline)
 def levels_in_panel(unit, levels, factors, u):
@@ -173,39 +166,15 @@ def levels_in_panel(unit, levels, factors, u):
 
 
 @njit(**_inline)
-def levels_and_factors_written(unit, levels, factors, u):
-    """Q4_K and Q5_K: the six-bit scales and minimums of each unit unpacked once a panel, not
-    once for each eight rows (``factors_read``)."""
-    levels_written(unit, levels, factors, u)
-    put_floats(factors, 2 * P * u, unit[1])
-    put_floats(factors, 2 * P * u + P, unit[2])
-
-
-# factors(unit, w, at, u, factors) -> what ``finish`` takes of unit u (its levels, which the
-# compiler then leaves out, are not needed)
-
-@njit(**_inline)
-def factors_decoded(unit, w, at, u, factors):
-    return unit(w, at, u)
-
-
-@njit(**_inline)
-def factors_read(unit, w, at, u, factors):
-    dw = load_floats(factors, 2 * P * u)
-    return dw, dw, load_floats(factors, 2 * P * u + P)
-
-
-@njit(**_inline)
-def tiles_unsigned(w, at, u, values, r, levels, products, c):
-    n = values.shape[1]
-    tiles.product_unsigned(values, r * n + 32 * u, n, levels, 8 * L * u, products, c)
-
-
-@njit(**_inline)
 def tiles_q8_0(w, at, u, values, r, levels, products, c):
     # the group vectors where ``unit_q8_0`` finds them
     n = values.shape[1]
     tiles.product_signed(values, r * n + 32 * u, n, w, at + u * 34 * P + 2 * P, products, c)
+
+
+@njit(**_inline)
+def factors_decoded(unit, w, at, u, factors):
+    return unit(w, at, u)
 
 
 # --- decoding one unit of a panel --------------------------------------------------------------

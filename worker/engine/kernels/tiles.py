@@ -1,11 +1,11 @@
 """The tile unit (AMX) where the CPU has it: a unit's integer products with sixteen rows at once.
 
-A tile product multiplies a tile of 16 activation rows by 32 int8 values (A) by the unit's eight
-group vectors (B, 8 rows of 64 bytes: ``panels.py`` lays a panel's levels out exactly as the
-tile unit reads them, four weights of each of the 16 outputs a row) into 16 × 16 int32 sums,
-the same integers ``dot_unsigned`` / ``dot_prepared_signed`` build lane by lane, so the GEMM
-(``gemm.py``) takes them through the same float steps and every row's result is bit for bit
-the vector loop's. Used only where the CPU has AMX-TILE and AMX-INT8, the kernel (Linux 5.16
+A tile product multiplies a tile of 16 activation rows by 32 int8 values (A) by a Q8_0 unit's
+eight group vectors (B, 8 rows of 64 bytes: ``panels.py`` lays a panel's weights out exactly as
+the tile unit reads them, four weights of each of the 16 outputs a row) into 16 × 16 int32
+sums, the same integers ``dot_prepared_signed`` builds lane by lane, so the GEMM (``gemm.py``)
+takes them through the same float steps and every row's result is bit for bit the vector
+loop's. Used only where the CPU has AMX-TILE and AMX-INT8, the kernel (Linux 5.16
 and later) lets this process use the tile registers, 512-bit vectors make a panel 16 outputs,
 and ``LMSERVE_TILES`` is not ``0``; ``kernels.use_tiles`` decides, once, before anything
 compiles.
@@ -98,7 +98,5 @@ def _product(instruction: str):
     return typer
 
 
-# signed activations against unsigned levels (every type with a centre or a minimum), and
-# against signed weights (Q8_0)
-product_unsigned = intrinsic(_product("tdpbsud"))
+# signed activations against signed weights (Q8_0)
 product_signed = intrinsic(_product("tdpbssd"))

@@ -80,16 +80,6 @@ def load_bytes(typingctx, array, byte_offset):
 
 
 @intrinsic
-def store_bytes(typingctx, array, byte_offset, value):
-    """Write a LANES-byte vector into a contiguous array from ``byte_offset`` of its data."""
-    def codegen(context, builder, sig, args):
-        address = address_of(context, builder, sig.args[0], args[0], args[1])
-        builder.store(args[2], builder.bitcast(address, Bytes.llvm_type().as_pointer()), align=1)
-        return context.get_dummy_value()
-    return types.none(array, byte_offset, Bytes), codegen
-
-
-@intrinsic
 def splat_quad(typingctx, array, byte_offset):
     """The four bytes at ``byte_offset`` in every 32-bit lane: an activation quad for every output."""
     def codegen(context, builder, sig, args):
