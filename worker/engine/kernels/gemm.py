@@ -16,9 +16,9 @@ their number or the CPU (the integers are exact):
     y = acc + low
 
 so a stream's numbers are the same alone, in a batch, in any prefill chunk, and in the
-tiled and the single-row loops. Where the CPU has a tile unit (AMX, ``tiles.py``), blocks of 16
-rows take their integers I from it instead (the same exact integers) and the same float steps
-(``panel_blocks.finish_*``). The activations are x's int8 form (``activations.py``):
+tiled and the single-row loops. Where the CPU has a tile unit (AMX, ``tiles.py``), a Q8_0
+matrix's blocks of 16 rows take their integers I from it instead (the same exact integers) and
+the same float steps (``panel_blocks.finish_*``). The activations are x's int8 form (``activations.py``):
 values, their scale ``da`` and ``sa`` per unit, and the integer sums Σa per unit and per
 16 values (``isums``, ``hsums``), which take the centre off (Q4_0's levels are q + 8, ...).
 """
