@@ -83,9 +83,8 @@ class Engine:
         thread) runs the kernels, and libgomp then puts idle threads to sleep between parallel
         regions instead of spinning: a served decode step took three times as long."""
         ahead = self.compiling if self.compiling is not None and self.compiling.jobs else None
-        steps = [steps_job(self.architecture, self.model.held_weights(), self.model.kv_type)] \
-            if self.compiling is not None else []
-        steps = [job for job in steps if pending(job)]
+        steps = [] if self.compiling is None else \
+            [job for job in [steps_job(self.architecture, self.model.held_weights(), self.model.kv_type)] if pending(job)]
         if (ahead is not None or steps) and on_compile is not None:
             on_compile((ahead.jobs if ahead is not None else []) + steps)
         self.compiling = None

@@ -96,7 +96,7 @@ def _ints(products, at):
 
 
 @njit(**_inline)
-def _eight_rows(unit, factors_of, finish, w, at, u0, u1, factors, scales, sums, isums, hsums, r, products, i0, state):
+def _eight_rows(unit, finish, w, at, u0, u1, scales, sums, isums, hsums, r, products, i0, state):
     """Rows r..r+7 (rows i0..i0+7 of the block) through units u0..u1-1 from their integer
     products: each unit's factors decoded once for the eight, the running sums in registers
     (and in ``state``, 2 × 16 vectors, between groups of units)."""
@@ -109,7 +109,7 @@ def _eight_rows(unit, factors_of, finish, w, at, u0, u1, factors, scales, sums, 
     a6, l6 = _sums(state, i0 + 6)
     a7, l7 = _sums(state, i0 + 7)
     for u in range(u0, u1):
-        d = factors_of(unit, w, at, u, factors)
+        d = unit(w, at, u)  # its levels, which ``finish`` does not take, the compiler leaves out
         c = 1024 * (u - u0) + 64 * i0
         a0, l0 = finish(d, _ints(products, c), scales, sums, isums, hsums, r, u, a0, l0)
         a1, l1 = finish(d, _ints(products, c + 64), scales, sums, isums, hsums, r + 1, u, a1, l1)
@@ -142,11 +142,10 @@ def _keep(state, i, acc, low):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def gemm_tiles(unit, levels_of, tiles_of, factors_of, finish, w, values, scales, sums, isums, hsums, out, config):
-    """``gemm`` for m a multiple of 16 by the tile unit. For each panel: its units' levels written
-    out once (``levels_of``); then for each block of 16 rows, GROUP units at a time, each unit's
-    integer products with the block by one tile product (``tiles_of``), and the rows, eight at a
-    time, take them through ``finish`` unit by unit."""
+def gemm_tiles(unit, tiles_of, finish, w, values, scales, sums, isums, hsums, out, config):
+    """``gemm`` for m a multiple of 16 by the tile unit. For each panel and each block of 16 rows,
+    GROUP units at a time: each unit's integer products with the block by one tile product
+    (``tiles_of``), then the rows, eight at a time, take them through ``finish`` unit by unit."""
     m = values.shape[0]
     n_out = out.shape[1]
     panels, blocks_per_row = w.shape
@@ -157,21 +156,16 @@ def gemm_tiles(unit, levels_of, tiles_of, factors_of, finish, w, values, scales,
         at = p * panel_bytes
         first = p * PANEL
         count = min(PANEL, n_out - first)
-        levels = np.empty(units * 8 * 4 * PANEL, dtype=np.uint8)
-        factors = np.empty(units * 2 * PANEL, dtype=np.float32)
         products = np.empty(GROUP * 1024, dtype=np.uint8)
         state = np.empty(2 * tiles.ROWS * PANEL, dtype=np.float32)
-        for u in range(units):
-            levels_of(unit(w, at, u), levels, factors, u)
         for r in range(0, m, tiles.ROWS):
             state[:] = 0.0
             for u0 in range(0, units, GROUP):
                 u1 = min(units, u0 + GROUP)
                 for u in range(u0, u1):
-                    tiles_of(w, at, u, values, r, levels, products, 1024 * (u - u0))
+                    tiles_of(w, at, u, values, r, products, 1024 * (u - u0))
                 for i0 in range(0, tiles.ROWS, 8):
-                    _eight_rows(unit, factors_of, finish, w, at, u0, u1, factors, scales, sums, isums, hsums, r + i0,
-                                products, i0, state)
+                    _eight_rows(unit, finish, w, at, u0, u1, scales, sums, isums, hsums, r + i0, products, i0, state)
             for i in range(tiles.ROWS):
                 acc, low = _sums(state, i)
                 store_floats(out[r + i], first, add_float(acc, low), count)
@@ -180,21 +174,21 @@ def gemm_tiles(unit, levels_of, tiles_of, factors_of, finish, w, values, scales,
 
 
 @njit(**_inline)
-def _with_tiles(unit, row, levels_of, tiles_of, factors_of, finish, w, values, scales, sums, isums, hsums, out):
+def _with_tiles(unit, row, tiles_of, finish, w, values, scales, sums, isums, hsums, out):
     """The rows in blocks of 16 by the tile unit, the rest by the vector loops: each row's
     numbers the same either way."""
     m = values.shape[0]
     tiled = m - m % tiles.ROWS
     if tiled:
-        gemm_tiles(unit, levels_of, tiles_of, factors_of, finish, w, values[:tiled], scales[:tiled], sums[:tiled],
-                   isums[:tiled], hsums[:tiled], out[:tiled], tiles.CONFIGURATION)
+        gemm_tiles(unit, tiles_of, finish, w, values[:tiled], scales[:tiled], sums[:tiled], isums[:tiled],
+                   hsums[:tiled], out[:tiled], tiles.CONFIGURATION)
     if tiled < m:
         gemm(unit, row, w, values[tiled:], scales[tiled:], sums[tiled:], isums[tiled:], hsums[tiled:], out[tiled:])
     return out
 
 
 @njit(**_inline)
-def _vectors_only(unit, row, levels_of, tiles_of, factors_of, finish, w, values, scales, sums, isums, hsums, out):
+def _vectors_only(unit, row, tiles_of, finish, w, values, scales, sums, isums, hsums, out):
     return gemm(unit, row, w, values, scales, sums, isums, hsums, out)
 
 
@@ -213,8 +207,8 @@ _product = _with_tiles if use_tiles() else _vectors_only
 
 @njit(nogil=True, cache=True)
 def gemm_q8_0(w, values, scales, sums, isums, hsums, out):
-    return _product(blocks.unit_q8_0, blocks.row_signed, blocks.levels_in_panel, blocks.tiles_q8_0,
-                    blocks.factors_decoded, blocks.finish_signed, w, values, scales, sums, isums, hsums, out)
+    return _product(blocks.unit_q8_0, blocks.row_signed, blocks.tiles_q8_0, blocks.finish_signed, w, values, scales,
+                    sums, isums, hsums, out)
 
 
 @njit(nogil=True, cache=True)

@@ -154,27 +154,14 @@ def row_half_scaled(unit, values, scales, sums, isums, hsums, r, u, acc, low):
 
 
 # --- the tile unit's products of a unit with 16 rows (Q8_0) -------------------------------------
-# levels(unit, levels, factors, u): a unit's levels written out where its tiles read them, once a
-# panel (Q8_0's are the panel's own bytes: nothing to write); tiles(w, at, u, values, r, levels,
-# products, c): the integer products of rows r..r+15 with unit u, 16 int32 a row, row r + i
-# from byte c + 64·i of ``products``; factors(unit, w, at, u, factors): what ``finish`` takes
-# of unit u (its levels, which the compiler then leaves out, are not needed)
+# tiles(w, at, u, values, r, products, c): the integer products of rows r..r+15 with unit u, 16
+# int32 a row, row r + i from byte c + 64·i of ``products``
 
 @njit(**_inline)
-def levels_in_panel(unit, levels, factors, u):
-    """Q8_0's tiles read the panel's own signed bytes."""
-
-
-@njit(**_inline)
-def tiles_q8_0(w, at, u, values, r, levels, products, c):
-    # the group vectors where ``unit_q8_0`` finds them
+def tiles_q8_0(w, at, u, values, r, products, c):
+    # the panel's own signed bytes, where ``unit_q8_0`` finds them
     n = values.shape[1]
     tiles.product_signed(values, r * n + 32 * u, n, w, at + u * 34 * P + 2 * P, products, c)
-
-
-@njit(**_inline)
-def factors_decoded(unit, w, at, u, factors):
-    return unit(w, at, u)
 
 
 # --- decoding one unit of a panel --------------------------------------------------------------

@@ -29,7 +29,6 @@ from numba.extending import intrinsic
 from worker.engine.kernels.simd import address_of
 
 ROWS = 16  # activation rows a tile product takes
-UNIT_BYTES = 32
 _I64 = ir.IntType(64)
 
 binding.initialize_native_asmparser()  # LLVM parses inline assembly only with it
