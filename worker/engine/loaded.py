@@ -83,8 +83,9 @@ class Engine:
         thread) runs the kernels, and libgomp then puts idle threads to sleep between parallel
         regions instead of spinning: a served decode step took three times as long."""
         ahead = self.compiling if self.compiling is not None and self.compiling.jobs else None
-        steps = [] if self.compiling is None else \
-            [job for job in [steps_job(self.architecture, self.model.held_weights(), self.model.kv_type)] if pending(job)]
+        steps = [] if self.compiling is None else [steps_job(self.architecture, self.model.held_weights(),
+                                                             self.model.kv_type)]
+        steps = [job for job in steps if pending(job)]
         if (ahead is not None or steps) and on_compile is not None:
             on_compile((ahead.jobs if ahead is not None else []) + steps)
         self.compiling = None
