@@ -6,11 +6,13 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
 from worker.engine import kernels
-from worker.engine.compile_ahead import HELPER, describe, leaf_jobs, pending, shares, steps_job
+from worker.engine.compile_ahead import (HELPER, QUANTIZERS_COST, describe, job_cost, leaf_jobs, pending, shares,
+                                         steps_job)
 
 Q = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels need AVX2, FMA and F16C")
@@ -24,6 +26,8 @@ def test_the_jobs_say_what_a_file_needs():
         "attention over an f32 cache, Q5_0, Q8_0 and Q4_K matrices"
     assert describe(["gemm:Q8_0", "steps:qwen3-037fd4a7c95a"]) == \
         "Q8_0 matrices, the qwen3 block steps for these weight types"
+    assert describe(["attention:f16", "gemm:Q4_1", "rows:Q8_0"]) == \
+        "attention over an f16 cache, Q4_1 matrices, a Q8_0 head"
 
 
 def test_the_block_steps_are_one_job_per_architecture_weight_types_and_cache_type(default_model):
@@ -39,21 +43,34 @@ def test_the_block_steps_are_one_job_per_architecture_weight_types_and_cache_typ
     assert steps_job("llama", without_q8, "f16") != job  # a file without one of these weight types
 
 
-def test_the_attention_kernel_has_a_helper_to_itself_and_the_gemms_share_the_rest():
-    jobs = ["attention:f16", "gemm:Q5_0", "gemm:Q8_0", "gemm:Q4_K", "gemm:Q6_K"]
-    assert shares(jobs, 2) == [["attention:f16"], ["gemm:Q5_0", "gemm:Q8_0", "gemm:Q4_K", "gemm:Q6_K"]]
-    assert shares(jobs, 3) == [["attention:f16"], ["gemm:Q5_0", "gemm:Q4_K"], ["gemm:Q8_0", "gemm:Q6_K"]]
-    assert shares(jobs, 1) == [jobs]  # one core: one helper for all
-    # attention compiled already: the GEMMs spread over every core; never more helpers than jobs
-    assert shares(jobs[1:3], 4) == [["gemm:Q5_0"], ["gemm:Q8_0"]]
-    assert shares(["attention:f32"], 2) == [["attention:f32"]]
-    assert sorted(job for share in shares(jobs, 8) for job in share) == sorted(jobs)
+@pytest.mark.parametrize("jobs", [
+    ["attention:f16", "gemm:Q5_0", "gemm:Q8_0", "gemm:Q4_K", "gemm:Q6_K"],  # gemma-3-270m Q4_K_M
+    ["attention:f16", "gemm:Q4_1", "rows:Q8_0"],  # SmolLM2 Q4_1: a Q8_0 head over Q4_1 layers
+    ["attention:f32", "gemm:Q4_0", "gemm:Q4_1", "gemm:Q5_0", "gemm:Q5_1", "gemm:Q8_0", "gemm:Q4_K", "gemm:Q6_K"],
+    ["gemm:Q5_0", "gemm:Q8_0"],  # attention compiled already
+    ["attention:f32"],
+])
+@pytest.mark.parametrize("cores", [1, 2, 3, 8])
+def test_the_helpers_share_the_jobs_by_what_they_cost_matrices_first(jobs, cores):
+    helpers = shares(jobs, cores)
+    assert sorted(job for share in helpers for job in share) == sorted(jobs)  # each job once
+    assert len(helpers) == min(cores, len(jobs)) and all(helpers)  # never an idle helper
+    for share in helpers:  # a helper's GEMMs before its attention: the steps around them start sooner
+        assert [job.startswith("attention:") for job in share] == sorted(job.startswith("attention:") for job in share)
+    loads = [sum(map(job_cost, share)) for share in helpers]
+    assert max(loads) - min(loads) <= max(map(job_cost, jobs)) + QUANTIZERS_COST  # balanced, as well as jobs allow
+
+
+def test_the_attention_costs_the_most_and_takes_a_helper_of_its_own_beside_a_few_gemms():
+    assert job_cost("attention:f16") > job_cost("gemm:Q8_0") >= job_cost("gemm:Q4_K") == job_cost("rows:Q8_0") > 0
+    assert shares(["attention:f16", "gemm:Q4_1", "rows:Q8_0"], 2) == [["attention:f16"], ["gemm:Q4_1", "rows:Q8_0"]]
+    assert shares(["attention:f16", "gemm:Q4_1", "rows:Q8_0"], 1) == [["gemm:Q4_1", "rows:Q8_0", "attention:f16"]]
 
 
 def test_a_helper_compiles_and_marks_so_a_later_start_asks_for_nothing(tmp_path):
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     probe = ("from gguf import GGMLQuantizationType as Q; from worker.engine.compile_ahead import leaf_jobs; "
-             "print(' '.join(leaf_jobs({Q.Q4_0}, 'f32')))")
+             "print(' '.join(leaf_jobs({Q.Q4_0}, None, 'f32')))")
 
     def missing() -> list[str]:
         return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
@@ -74,7 +91,7 @@ def test_a_warm_cache_spawns_no_helper(default_model):
     assert not pending(steps_job(first.architecture, first.model.held_weights(), first.model.kv_type))
     again = Engine.load(default_model)
     assert again.compiling is not None and again.compiling.jobs == [] and not again.compiling.processes
-    assert leaf_jobs({Q.Q4_1, Q.Q8_0}, "f16") == []
+    assert leaf_jobs({Q.Q4_1}, Q.Q8_0, "f16") == []
     heard = []
     again.warm_up(on_compile=heard.append)
     assert heard == []  # neither a leaf kernel nor the block steps of these types compile again
@@ -88,3 +105,54 @@ def test_the_compiler_gives_back_its_pages_and_the_kernels_still_run(default_mod
     assert kernels.page_out_compiler() > 0  # LLVM's read-only pages, advised away
     cache = engine.new_cache(8)
     assert engine.model.forward([(cache, [1, 2, 3])])[0].shape == (engine.model.hp.n_vocab,)
+
+
+def test_a_head_whose_type_no_layer_shares_takes_the_gemm_without_tiles(default_model, tmp_path):
+    """SmolLM2's head (its embedding, tied) is Q8_0 over Q4_1 layers: it meets a few rows at a
+    time and takes the Q8_0 GEMM without the tile loops, which alone compiles for it. A head that
+    shares its layers' type takes their GEMM."""
+    from worker.engine import Engine
+    from worker.engine.gguf_file import GGUFFile
+    from worker.engine.weights import FEW_ROWS_KERNELS, GEMM_KERNELS, head_kernel_type
+
+    gguf = GGUFFile(default_model)
+    assert gguf.matrix_types() == {Q.Q4_1} and gguf.head_type() == Q.Q8_0
+    assert head_kernel_type(Q.Q8_0, {Q.Q4_1}) == "rows" and head_kernel_type(Q.Q8_0, {Q.Q8_0}) == "gemm"
+    assert head_kernel_type(Q.Q6_K, {Q.Q4_K}) == "gemm"  # a type with no kernel of its own for few rows
+    model = Engine.load(default_model).model
+    assert model.output.kernel is FEW_ROWS_KERNELS[Q.Q8_0]
+    assert all(w.kernel is GEMM_KERNELS[w.qtype] for w in model.held_weights() if w is not model.output
+               and hasattr(w, "kernel"))
+
+    probe = ("import sys; from worker.engine.gguf_file import GGUFFile; from worker.engine.compile_ahead import leaf_jobs; "
+             "g = GGUFFile(sys.argv[1]); print(' '.join(leaf_jobs(g.matrix_types(), g.head_type(), 'f16')))")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    jobs = subprocess.run([sys.executable, "-c", probe, str(default_model)], env=env, capture_output=True, text=True,
+                          check=True).stdout.split()
+    assert jobs == ["attention:f16", "gemm:Q4_1", "rows:Q8_0"]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_head_of_a_file_is_its_own_weight_or_the_embedding_it_is_tied_to(tmp_path, tied):
+    """The layers' types leave out the embedding and the head: a head of its own is
+    ``output.weight`` (the embedding beside it is only looked up); a tied head the embedding."""
+    import gguf as gguf_lib
+
+    from worker.engine.gguf_file import GGUFFile
+
+    rng = np.random.default_rng(3)
+    types = {"token_embd.weight": Q.Q6_K, "blk.0.attn_q.weight": Q.Q4_K, "blk.0.ffn_down.weight": Q.Q5_0}
+    if not tied:
+        types["output.weight"] = Q.Q8_0
+    path = tmp_path / "heads.gguf"
+    writer = gguf_lib.GGUFWriter(str(path), "llama")
+    for name, qtype in types.items():
+        block, size = gguf_lib.GGML_QUANT_SIZES[qtype]
+        writer.add_tensor(name, rng.integers(0, 256, (64, 256 // block * size), dtype=np.uint8), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    file = GGUFFile(path)
+    assert file.matrix_types() == {Q.Q4_K, Q.Q5_0}
+    assert file.head_type() == (Q.Q6_K if tied else Q.Q8_0)

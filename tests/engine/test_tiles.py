@@ -16,7 +16,7 @@ from test_kernels import random_blocks, row_width
 from worker.engine import kernels, panels
 from worker.engine.kernels import cache_directory, tiles
 from worker.engine.kernels.activations import QuantizedActivations
-from worker.engine.weights import GEMM_KERNELS
+from worker.engine.weights import FEW_ROWS_KERNELS, GEMM_KERNELS
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels need AVX2, FMA and F16C")
 needs_tiles = pytest.mark.skipif(not kernels.use_tiles(), reason="this CPU (or its kernel) has no AMX tiles")
@@ -69,6 +69,20 @@ def test_rows_through_the_tiles_get_the_bits_they_get_alone(qtype):
     np.testing.assert_array_equal(product(x[:48]), alone[:48])
     np.testing.assert_array_equal(product(x), alone)
     np.testing.assert_array_equal(product(x[5:21]), alone[5:21])  # one block that starts elsewhere
+
+
+@pytest.mark.parametrize("qtype", sorted(FEW_ROWS_KERNELS, key=lambda q: q.name), ids=lambda q: q.name)
+def test_the_kernel_without_tiles_for_a_head_gets_the_same_bits(qtype):
+    """A head whose type no layer shares takes its type's GEMM without the tile loops: 51 rows
+    (three blocks of 16 and a tail) give the numbers the tiled GEMM gives."""
+    rng = np.random.default_rng(90 + int(qtype))
+    n_in = row_width(qtype, 13)
+    packed = panels.pack(qtype, random_blocks(qtype, 37, n_in, rng))
+    acts = QuantizedActivations(rng.standard_normal((51, n_in)).astype(np.float32))
+    tiled = GEMM_KERNELS[qtype](packed, *acts.parts, np.empty((51, 37), dtype=np.float32))
+    plain = FEW_ROWS_KERNELS[qtype](packed, *acts.parts, np.empty((51, 37), dtype=np.float32))
+    assert np.isfinite(tiled).all() and np.abs(tiled).max() > 0
+    np.testing.assert_array_equal(plain, tiled)
 
 
 def test_the_tiles_are_a_choice_of_the_machine_the_setting_and_the_cache():

@@ -114,7 +114,7 @@ def test_the_steps_compiled_while_attention_compiles_have_the_types_of_a_forward
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     warmed = {name: sigs for name, sigs in seen["before"].items() if sigs}
     assert {"worker.engine.kernels.fused.attention_inputs",
-            "worker.engine.kernels.fused.attention_output_swiglu"} <= set(warmed)
+            "worker.engine.kernels.fused.attention_output", "worker.engine.kernels.fused.swiglu"} <= set(warmed)
     assert "worker.engine.kernels.attention.store_and_attend" not in warmed  # attention waits for its helper
     grown = {name: sorted(set(seen["after"][name]) - set(sigs)) for name, sigs in warmed.items()
              if set(seen["after"][name]) - set(sigs)}

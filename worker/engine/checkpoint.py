@@ -229,6 +229,9 @@ class NanochatCheckpoint:
         """Block types repacked in panels: none (a checkpoint's weights are floats)."""
         return set()
 
+    def head_type(self) -> None:
+        return None
+
     def has_tensor(self, name: str) -> bool:
         return name in self.names
 

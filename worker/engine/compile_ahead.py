@@ -1,11 +1,13 @@
 """A first start on a CPU: the heaviest kernels compiled in parallel processes, ahead of the rest.
 
 numba compiles a kernel on its first call and keeps it in its disk cache, one process at a
-time. The leaf kernels (the attention over the cache's type, and the GEMM of each block type
-the file holds) take most of a first start and need nothing of the model but those types, so
-``start`` hands them to helper processes (as many as there are cores) as soon as a file's
-header is read, and they compile while the model loads; ``wait`` joins them before the
-warm-up compiles the block steps around them, which then read the leaves from the cache.
+time. The leaf kernels (the attention over the cache's type, the GEMM of each block type of the
+layers' matrices, the head's) take most of a first start and need nothing of the model but
+those types, so ``start`` hands them to helper processes (as many as there are cores, the jobs
+balanced by what they cost) as soon as a file's header is read, and they compile while the
+model loads. The warm-up compiles the block steps around the GEMMs as soon as those are done
+(``wait_for_matrices``), and the rest once the attention is (``wait``); they read the leaves
+from the cache.
 
 Each helper marks what it compiled (a file in numba's cache directory, which is per version
 of the kernel sources, named for the CPU), so a later start spawns nothing. A helper that fails
@@ -16,7 +18,7 @@ itself, once for each combination of an architecture, its weights' types and the
 (``steps_job``): the warm-up marks that combination when it is done, so a start whose leaves
 are all cached but whose combination is new still says it compiles.
 
-    python -c "$HELPER" attention:f16 gemm:Q4_K …   (what a helper runs: ``main``)
+    python -c "$HELPER" gemm:Q4_K rows:Q8_0 attention:f16   (what a helper runs: ``main``)
 """
 
 from __future__ import annotations
@@ -66,21 +68,27 @@ def compile_job(job: str) -> None:
         keys, values = np.zeros((2, 8, 16), dtype), np.zeros((2, 8, 16), dtype)
         attention.store_and_attend(q, k, v, keys, values, 0, np.float32(1.0), 0, np.float32(0.0),
                                    np.zeros((2, 32), np.float32))
-    elif kind == "gemm":
-        from gguf import GGMLQuantizationType
-
-        from worker.engine import panels, q2_0
+    elif kind in ("gemm", "rows"):
+        from worker.engine import panels
         from worker.engine.kernels.activations import QuantizedActivations
-        from worker.engine.weights import GEMM_KERNELS
+        from worker.engine.weights import FEW_ROWS_KERNELS, GEMM_KERNELS
 
-        qtype = q2_0.Layout[what] if what in q2_0.Layout.__members__ else GGMLQuantizationType[what]
+        qtype = _block_type(what)
         weights = panels.FORMATS[qtype][0]
         acts = QuantizedActivations(np.zeros((1, weights), np.float32))
         packed = np.zeros((1, 1), panels.block_dtype(qtype))
-        GEMM_KERNELS[qtype](packed, *acts.parts, np.zeros((1, 1), np.float32))
+        (GEMM_KERNELS if kind == "gemm" else FEW_ROWS_KERNELS)[qtype](packed, *acts.parts, np.zeros((1, 1), np.float32))
     else:
         raise ValueError(f"unknown kernel job {job!r}")
     _marker(job).touch()
+
+
+def _block_type(name: str):
+    from gguf import GGMLQuantizationType
+
+    from worker.engine import q2_0
+
+    return q2_0.Layout[name] if name in q2_0.Layout.__members__ else GGMLQuantizationType[name]
 
 
 def describe(jobs: list[str]) -> str:
@@ -89,6 +97,7 @@ def describe(jobs: list[str]) -> str:
     types = [job.partition(":")[2] for job in jobs if job.startswith("gemm:")]
     if types:
         parts.append(" and ".join([", ".join(types[:-1]), types[-1]] if len(types) > 1 else types) + " matrices")
+    parts += [f"a {job.partition(':')[2]} head" for job in jobs if job.startswith("rows:")]
     parts += [f"the {job.partition(':')[2].partition('-')[0]} block steps for these weight types"
               for job in jobs if job.startswith("steps:")]
     return ", ".join(parts)
@@ -112,19 +121,54 @@ def mark_done(job: str) -> None:
     _marker(job).touch()
 
 
-def leaf_jobs(packed_types, kv_type: str) -> list[str]:
-    """The leaf kernels a model of these block types and cache type needs, not yet compiled."""
-    jobs = [f"attention:{kv_type}"] + [f"gemm:{getattr(t, 'name', t)}" for t in sorted(packed_types, key=int)]
+def leaf_jobs(layer_types, head_type, kv_type: str) -> list[str]:
+    """The leaf kernels not yet compiled that a model needs: attention over its cache's type,
+    the GEMM of each block type of its layers' matrices, and its head's
+    (``weights.head_kernel_type``; None: a head without panels)."""
+    from worker.engine.weights import head_kernel_type
+
+    kinds = {(t, "gemm") for t in layer_types}
+    if head_type is not None:
+        kinds.add((head_type, head_kernel_type(head_type, layer_types)))
+    jobs = [f"attention:{kv_type}"] + [f"{kind}:{getattr(t, 'name', t)}"
+                                       for t, kind in sorted(kinds, key=lambda k: (int(k[0]), k[1]))]
     return [job for job in jobs if not _marker(job).exists()]
 
 
+# What a job costs to compile on one core, in units of one block type's GEMM (measured on a
+# 2-core Xeon: about 3.3 s a GEMM, 9 s for Q8_0's with its tile loop, 14 s for the attention, and
+# some 3 s more for a helper's first GEMM, which brings the activations' quantizers along).
+ATTENTION_COST, TILED_COST, QUANTIZERS_COST = 4.0, 2.7, 1.0
+
+
+def job_cost(job: str) -> float:
+    """A job's cost in those units: a GEMM with the tile loop where this CPU takes the tiles."""
+    from worker.engine.kernels import use_tiles
+    from worker.engine.weights import FEW_ROWS_KERNELS
+
+    kind, _, what = job.partition(":")
+    if kind == "attention":
+        return ATTENTION_COST
+    return TILED_COST if kind == "gemm" and _block_type(what) in FEW_ROWS_KERNELS and use_tiles() else 1.0
+
+
 def shares(jobs: list[str], cores: int) -> list[list[str]]:
-    """The jobs of each helper, one helper a core at most. The attention kernel alone takes
-    about as long as all the GEMMs: it has a helper to itself, and the GEMMs share the others."""
-    helpers = max(1, min(cores, len(jobs)))
-    first, rest = (jobs[:1], jobs[1:]) if helpers > 1 and jobs[0].startswith("attention:") else ([], jobs)
-    others = helpers - len(first)
-    return [share for share in (first, *(rest[i::others] for i in range(others))) if share]
+    """The jobs of each helper, one helper a core at most, balanced by what each costs (the
+    costliest first, each to the helper with least to do). A helper compiles its matrices before
+    the attention: the block steps around them (``DecoderModel.warm_products``) compile here as
+    soon as every GEMM is done, while the attention still compiles there."""
+    helpers: list[list[str]] = [[] for _ in range(max(1, min(cores, len(jobs))))]
+
+    def load(share: list[str]) -> float:
+        return sum(map(job_cost, share)) + QUANTIZERS_COST * any(not _attention(j) for j in share)
+
+    for job in sorted(jobs, key=job_cost, reverse=True):
+        min(helpers, key=lambda share: load(share + [job])).append(job)
+    return [sorted(share, key=_attention) for share in helpers if share]
+
+
+def _attention(job: str) -> bool:
+    return job.startswith("attention:")
 
 
 @dataclass
@@ -136,8 +180,8 @@ class CompileAhead:
     started: float = field(default_factory=time.monotonic)
 
     @classmethod
-    def start(cls, packed_types, kv_type: str, cores: int | None = None) -> CompileAhead:
-        jobs = leaf_jobs(packed_types, kv_type)
+    def start(cls, layer_types, head_type, kv_type: str, cores: int | None = None) -> CompileAhead:
+        jobs = leaf_jobs(layer_types, head_type, kv_type)
         ahead = cls(jobs)
         if not jobs:
             return ahead
@@ -149,10 +193,12 @@ class CompileAhead:
         return ahead
 
     def wait_for_matrices(self) -> None:
-        """Join the helpers that compile no attention kernel (the GEMMs, the sooner done)."""
+        """Wait until every GEMM is compiled: marked, or its helper gone (one that failed leaves
+        its kernels to the warm-up). The attention may still be compiling."""
         for process in self.processes:
-            if not any(job.startswith("attention:") for job in process.args[3:]):
-                process.wait()
+            matrices = [job for job in process.args[3:] if not _attention(job)]
+            while process.poll() is None and any(pending(job) for job in matrices):
+                time.sleep(0.05)
 
     def wait(self) -> float:
         """Join the helpers; returns how long they took since ``start``."""

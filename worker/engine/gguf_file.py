@@ -39,6 +39,7 @@ from worker.engine.weights import DenseWeight, QuantizedWeight, Weight, has_kern
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+HEAD_NAMES = ("token_embd.weight", "output.weight")  # the embedding and the head (tied to it or its own)
 # A split model's parts (shared/gguf_names.py names them): the first holds the metadata, every
 # part some tensors, and each says which part it is
 SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
@@ -347,16 +348,24 @@ class GGUFFile:
         return QuantizedWeight(qtype, info.shape, rows)
 
     def matrix_types(self) -> set:
-        """The block types of the 2-D tensors a model repacks in panels (``panels.packable``):
-        what the GEMM kernels will be asked for."""
+        """The block types of the 2-D tensors a model repacks in panels (``panels.packable``)
+        besides the embedding and the head (``head_type``): what the layers' GEMMs take."""
+        return {qtype for name, qtype in self._packable() if name not in HEAD_NAMES}
+
+    def head_type(self):
+        """The block type of the head if it is repacked in panels (else None): ``output.weight``,
+        or the embedding where the head is tied to it. An embedding beside its own head is only
+        looked up, never multiplied by."""
+        head = "output.weight" if "output.weight" in self._tensors else "token_embd.weight"
+        return next((qtype for name, qtype in self._packable() if name == head), None)
+
+    def _packable(self):
         from worker.engine import panels
 
-        types = set()
-        for info in self._tensors.values():
+        for name, info in self._tensors.items():
             qtype = q2_0.Layout.of(info.q2_0_block) if info.type_id == q2_0.TYPE_ID else _known_type(info.type_id)
             if qtype is not None and panels.packable(qtype, info.shape):
-                types.add(qtype)
-        return types
+                yield name, qtype
 
     def release(self, name: str) -> None:
         """Let go of the pages of a tensor that was copied (repacked): they leave this process's

@@ -51,7 +51,7 @@ class Engine:
         # a directory is a nanochat checkpoint; anything else a GGUF file
         gguf = NanochatCheckpoint(path, on_progress) if os.path.isdir(path) else GGUFFile(path, on_progress)
         # the kernels a first start on this CPU lacks compile in other processes while it loads
-        ahead = CompileAhead.start(gguf.matrix_types(), kv_type) if kernels.available() and not exact else None
+        ahead = CompileAhead.start(gguf.matrix_types(), gguf.head_type(), kv_type) if kernels.available() and not exact else None
         model = load_model(gguf, exact, kv_type)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         for key in _KEPT_BY_TOKENIZER:

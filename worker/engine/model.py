@@ -24,7 +24,7 @@ from worker.engine import kernels, ops
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels import fused
 from worker.engine.kv_cache import KV_TYPES, KVCache
-from worker.engine.weights import FLOAT_KERNELS, MatmulInput, PanelWeight, QuantizedWeight, Weight
+from worker.engine.weights import FLOAT_KERNELS, MatmulInput, PanelWeight, QuantizedWeight, Weight, head_kernel_type
 
 
 @dataclass(frozen=True)
@@ -246,6 +246,8 @@ class DecoderModel:
             self.output = self.load_weight(gguf, "output.weight", self.token_embd.shape)
         else:  # small models tie the output head to the embedding: one packed weight serves both
             self.output = self.token_embd = self.packed(gguf, "token_embd.weight", self.token_embd)
+        if isinstance(self.output, PanelWeight) and head_kernel_type(self.output.qtype, gguf.matrix_types()) == "rows":
+            self.output.for_few_rows()
         self.layers = [self.load_layer(gguf, i) for i in range(self.hp.n_layer)]
         self.load_globals(gguf)
         self.fused = [self.fused_layer(layer) for layer in self.layers]
@@ -462,8 +464,8 @@ class DecoderModel:
             return fused.dense_block(x, spec.attention, rope, *cache.kernel_arrays(i), cache.length,
                                      np.float32(options.scale), options.window, np.float32(options.softcap),
                                      spec.output, spec.swiglu)
-        attn = self.fused_attention(i, x, fp)
-        return fused.attention_output_swiglu(x, attn, *spec.output, *spec.swiglu)
+        fused.attention_output(x, self.fused_attention(i, x, fp), *spec.output)
+        return fused.swiglu(x, *spec.swiglu)
 
     def fused_attention(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
         """Compiled: attn_norm, Q/K/V, Q/K norms, RoPE, the caches' store and attention of each
@@ -474,11 +476,11 @@ class DecoderModel:
         return ops.attend(q, k, v, fp, i, options.scale, options.window, options.softcap, compiled=True)
 
     def warm_products(self) -> None:
-        """Run, on one row, the compiled block steps that do not attend (a fused layer's inputs and
-        its output half) and the head: on a first start they compile while the attention kernel
+        """Run, on one row, the compiled block steps that do not attend (a fused layer's inputs, and
+        its output half where that is a SwiGLU) and the head: on a first start they compile while the attention kernel
         still compiles in its helper, which ``forward`` would wait for. Types as ``forward``'s."""
         hp = self.hp
-        layers = [(i, spec) for i, spec in enumerate(getattr(self, "fused", [])) if spec is not None and spec.swiglu]
+        layers = [(i, spec) for i, spec in enumerate(getattr(self, "fused", [])) if spec is not None]
         if not layers:
             return
         x = self.embed(np.zeros(1, dtype=np.int64))
@@ -486,8 +488,9 @@ class DecoderModel:
         for i, spec in layers:
             fused.attention_inputs(x.copy(), *spec.attention, *rope[i], hp.n_head, hp.n_head_kv, hp.head_dim,
                                    hp.value_dim)
-            attn = np.zeros((1, hp.n_head * hp.value_dim), dtype=np.float32)
-            fused.attention_output_swiglu(x.copy(), attn, *spec.output, *spec.swiglu)
+            if spec.swiglu is not None:
+                attn = np.zeros((1, hp.n_head * hp.value_dim), dtype=np.float32)
+                fused.swiglu(fused.attention_output(x.copy(), attn, *spec.output), *spec.swiglu)
         self.logits(x)
 
     # --- the forward pass ------------------------------------------------------------------------

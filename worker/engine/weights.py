@@ -54,6 +54,18 @@ GEMM_KERNELS = {
     q2_0.Layout.Q2_0: gemm.gemm_q2_0,
     q2_0.Layout.Q2_0_128: gemm.gemm_q2_0_128,
 }
+# block type -> its GEMM without the tile loops, where that is a kernel of its own
+FEW_ROWS_KERNELS = {Q.Q8_0: gemm.gemm_q8_0_rows}
+
+
+def head_kernel_type(qtype, layer_types) -> str:
+    """Which GEMM a model's head takes, ``gemm`` or ``rows``: the head meets the last row of
+    each sequence, too few for the tile loops, so where no other matrix of the model shares its
+    type (a Q8_0 head over Q4_K layers) it takes the kernel without them, which compiles in a
+    third of the time; else the layers' own, compiled anyway."""
+    return "rows" if qtype in FEW_ROWS_KERNELS and qtype not in layer_types else "gemm"
+
+
 # float type -> its kind for the kernel taking float32 activations
 FLOAT_KERNELS = {Q.F32: matmul.F32, Q.F16: matmul.F16, Q.BF16: matmul.BF16}
 KERNEL_TYPES = frozenset(INT8_KERNELS) | frozenset(FLOAT_KERNELS)
@@ -154,6 +166,11 @@ class PanelWeight:
         self.qtype = qtype
         self.shape = tuple(shape)
         self.panels = packed
+        self.kernel = GEMM_KERNELS[qtype]
+
+    def for_few_rows(self) -> None:
+        """Multiply by the type's kernel without the tile loops (``FEW_ROWS_KERNELS``), if it has one."""
+        self.kernel = FEW_ROWS_KERNELS.get(self.qtype, self.kernel)
 
     @property
     def nbytes(self) -> int:
@@ -167,7 +184,7 @@ class PanelWeight:
         """x @ Wᵀ: [m, n_in] -> [m, n_out] float32."""
         acts = as_input(x).quantized
         out = np.empty((acts.values.shape[0], self.shape[0]), dtype=np.float32)
-        return GEMM_KERNELS[self.qtype](self.panels, *acts.parts, out)
+        return self.kernel(self.panels, *acts.parts, out)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows ``ids`` as float32 [len(ids), n_in] (an embedding lookup of a tied head)."""

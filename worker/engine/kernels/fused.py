@@ -1,11 +1,13 @@
 """The steps of a pre-norm block, each one compiled call: norm, products, RoPE, SwiGLU, residual.
 
 A decode step of a small model spends as long between kernels as in them when every step of a
-block is its own Python call (25 calls of 5-20 µs per layer); here a block is three calls:
+block is its own Python call (25 calls of 5-20 µs per layer); here a block is four calls:
 ``attention_inputs`` (RMSNorm, int8 rounding, Q/K/V products and biases, per-head Q/K norms,
-RoPE), the attention of each sequence over its cache (``attention.store_and_attend``), and
-``attention_output_swiglu`` (output projection, residual, RMSNorm, gate/up, SiLU, down,
-residual), or ``attention_output`` where the feed-forward half is not a SwiGLU.
+RoPE), the attention of each sequence over its cache (``attention.store_and_attend``),
+``attention_output`` (output projection, residual) and ``swiglu`` (RMSNorm, gate/up, SiLU, down,
+residual), and one sequence's whole block is one call (``dense_block``). Each call that calls
+others compiles them again into its own code (numba links its callees' code and optimizes the
+whole): a first start pays for every level of nesting, so there are no more than these.
 
 Weights are passed as the arrays their kernels take (``weights.Weight.kernel_array``); every
 product goes to the kernel of the array's type (``product``). Rows stay independent
@@ -142,17 +144,10 @@ def swiglu(x, norm, eps, wg, wu, wd, n_ff):
 
 
 @njit(nogil=True, cache=True)
-def attention_output_swiglu(x, attn, wo, norm, eps, wg, wu, wd, n_ff):
-    """``attention_output`` then ``swiglu``: the second half of a dense block in one call."""
-    attention_output(x, attn, wo)
-    return swiglu(x, norm, eps, wg, wu, wd, n_ff)
-
-
-@njit(nogil=True, cache=True)
 def dense_block(x, attention_spec, rope, keys, values, first_pos, scale, window, softcap, output_spec,
                 swiglu_spec):
     """A whole pre-norm block of one sequence in one call: ``attention_inputs``, the cache write
-    and attention (``attention.store_and_attend``), ``attention_output_swiglu``. The specs are
+    and attention (``attention.store_and_attend``), ``attention_output``, ``swiglu``. The specs are
     those functions' argument tuples (``model.FusedLayer``); rope: (cos, sin, adjacent, n_head,
     n_kv, head_dim, value_dim). A decode step of a small model pays for each call from Python
     about as much as for a layer's norms and rounding."""
@@ -160,4 +155,5 @@ def dense_block(x, attention_spec, rope, keys, values, first_pos, scale, window,
     q, k, v = attention_inputs(x, *attention_spec, *rope)
     attn = np.empty((x.shape[0], n_head * value_dim), dtype=np.float32)
     attention.store_and_attend(q, k, v, keys, values, first_pos, scale, window, softcap, attn)
-    return attention_output_swiglu(x, attn, *output_spec, *swiglu_spec)
+    attention_output(x, attn, *output_spec)
+    return swiglu(x, *swiglu_spec)

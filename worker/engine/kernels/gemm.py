@@ -212,6 +212,14 @@ def gemm_q8_0(w, values, scales, sums, isums, hsums, out):
 
 
 @njit(nogil=True, cache=True)
+def gemm_q8_0_rows(w, values, scales, sums, isums, hsums, out):
+    """``gemm_q8_0`` without the tile loop: for a matrix that meets a few rows at a time (a head
+    meets the last row of each sequence) where no other matrix of the model is Q8_0. It then
+    compiles in about a third of the time, and its numbers are the same."""
+    return gemm(blocks.unit_q8_0, blocks.row_signed, w, values, scales, sums, isums, hsums, out)
+
+
+@njit(nogil=True, cache=True)
 def gemm_q4_0(w, values, scales, sums, isums, hsums, out):
     return gemm(blocks.unit_q4_0, blocks.row_centred_8, w, values, scales, sums, isums, hsums, out)
 
