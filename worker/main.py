@@ -191,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
             if status is not None:
                 status.compiling(what)
 
-        engine.warm_up(on_compile=compiling)
+        def compiled_later(seconds: float) -> None:
+            log.info("one stream's block steps compiled in %.1f s after the start: one call a layer from now on",
+                     seconds)
+
+        engine.warm_up(on_compile=compiling, later=compiled_later)
         give_back_freed_memory()  # what loading and compiling freed
         log.info("kernels ready in %.1f s (a first start on this CPU compiles them; later starts read "
                  "numba's disk cache)", time.perf_counter() - started)

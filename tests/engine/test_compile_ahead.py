@@ -27,7 +27,7 @@ def test_the_jobs_say_what_a_file_needs():
     assert describe(["gemm:Q8_0", "steps:qwen3-037fd4a7c95a"]) == \
         "Q8_0 matrices, the qwen3 block steps for these weight types"
     assert describe(["attention:f16", "gemm:Q4_1", "rows:Q8_0"]) == \
-        "attention over an f16 cache, Q4_1 matrices, a Q8_0 head"
+        "attention over an f16 cache, Q4_1 matrices, Q8_0 matrices without the tile loop"
 
 
 def test_the_block_steps_are_one_job_per_architecture_weight_types_and_cache_type(default_model):
@@ -70,7 +70,7 @@ def test_the_attention_costs_the_most_and_takes_a_helper_of_its_own_beside_a_few
 def test_a_helper_compiles_and_marks_so_a_later_start_asks_for_nothing(tmp_path):
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     probe = ("from gguf import GGMLQuantizationType as Q; from worker.engine.compile_ahead import leaf_jobs; "
-             "print(' '.join(leaf_jobs({Q.Q4_0}, None, 'f32')))")
+             "print(' '.join(leaf_jobs({Q.Q4_0: 4096}, None, 'f32')))")
 
     def missing() -> list[str]:
         return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
@@ -91,7 +91,7 @@ def test_a_warm_cache_spawns_no_helper(default_model):
     assert not pending(steps_job(first.architecture, first.model.held_weights(), first.model.kv_type))
     again = Engine.load(default_model)
     assert again.compiling is not None and again.compiling.jobs == [] and not again.compiling.processes
-    assert leaf_jobs({Q.Q4_1}, Q.Q8_0, "f16") == []
+    assert leaf_jobs({Q.Q4_1: 4096}, Q.Q8_0, "f16") == []
     heard = []
     again.warm_up(on_compile=heard.append)
     assert heard == []  # neither a leaf kernel nor the block steps of these types compile again
@@ -107,25 +107,36 @@ def test_the_compiler_gives_back_its_pages_and_the_kernels_still_run(default_mod
     assert engine.model.forward([(cache, [1, 2, 3])])[0].shape == (engine.model.hp.n_vocab,)
 
 
+def test_the_tile_loop_compiles_only_for_a_type_that_holds_most_of_the_layers():
+    """A type's GEMM takes the tile loop only where the type holds at least half of the layers'
+    weights: not for a head (left out of the layers), nor for a few matrices among other types."""
+    from worker.engine.weights import kernel_kind
+
+    gemma = {Q.Q5_0: 81, Q.Q4_K: 27, Q.Q8_0: 9, Q.Q6_K: 9}  # gemma-3-270m Q4_K_M's matrices, by count
+    assert kernel_kind(Q.Q8_0, gemma) == "rows"
+    assert kernel_kind(Q.Q8_0, {Q.Q8_0: 196}) == "gemm" and kernel_kind(Q.Q8_0, {Q.Q8_0: 5, Q.Q4_K: 5}) == "gemm"
+    assert kernel_kind(Q.Q8_0, {Q.Q4_1: 210}) == "rows"  # SmolLM2's Q8_0 head over Q4_1 layers
+    assert kernel_kind(Q.Q8_0, {}) == "rows"  # a head over float layers
+    assert all(kernel_kind(t, gemma) == "gemm" for t in (Q.Q5_0, Q.Q4_K, Q.Q6_K))  # no other kernel for them
+
+
 def test_a_head_whose_type_no_layer_shares_takes_the_gemm_without_tiles(default_model, tmp_path):
     """SmolLM2's head (its embedding, tied) is Q8_0 over Q4_1 layers: it meets a few rows at a
-    time and takes the Q8_0 GEMM without the tile loops, which alone compiles for it. A head that
-    shares its layers' type takes their GEMM."""
+    time and takes the Q8_0 GEMM without the tile loop, which alone compiles for it, named by
+    its panels' record type."""
     from worker.engine import Engine
     from worker.engine.gguf_file import GGUFFile
-    from worker.engine.weights import FEW_ROWS_KERNELS, GEMM_KERNELS, head_kernel_type
+    from worker.engine.weights import FEW_ROWS_KERNELS, GEMM_KERNELS
 
     gguf = GGUFFile(default_model)
-    assert gguf.matrix_types() == {Q.Q4_1} and gguf.head_type() == Q.Q8_0
-    assert head_kernel_type(Q.Q8_0, {Q.Q4_1}) == "rows" and head_kernel_type(Q.Q8_0, {Q.Q8_0}) == "gemm"
-    assert head_kernel_type(Q.Q6_K, {Q.Q4_K}) == "gemm"  # a type with no kernel of its own for few rows
+    assert set(gguf.matrix_weights()) == {Q.Q4_1} and gguf.head_type() == Q.Q8_0
     model = Engine.load(default_model).model
-    assert model.output.kernel is FEW_ROWS_KERNELS[Q.Q8_0]
+    assert model.output.kernel is FEW_ROWS_KERNELS[Q.Q8_0] and model.output.panels.dtype.names == ("q8_0_rows",)
     assert all(w.kernel is GEMM_KERNELS[w.qtype] for w in model.held_weights() if w is not model.output
                and hasattr(w, "kernel"))
 
     probe = ("import sys; from worker.engine.gguf_file import GGUFFile; from worker.engine.compile_ahead import leaf_jobs; "
-             "g = GGUFFile(sys.argv[1]); print(' '.join(leaf_jobs(g.matrix_types(), g.head_type(), 'f16')))")
+             "g = GGUFFile(sys.argv[1]); print(' '.join(leaf_jobs(g.matrix_weights(), g.head_type(), 'f16')))")
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
     jobs = subprocess.run([sys.executable, "-c", probe, str(default_model)], env=env, capture_output=True, text=True,
                           check=True).stdout.split()
@@ -154,5 +165,5 @@ def test_the_head_of_a_file_is_its_own_weight_or_the_embedding_it_is_tied_to(tmp
     writer.write_tensors_to_file()
     writer.close()
     file = GGUFFile(path)
-    assert file.matrix_types() == {Q.Q4_K, Q.Q5_0}
+    assert file.matrix_weights() == {Q.Q4_K: 64 * 256, Q.Q5_0: 64 * 256}
     assert file.head_type() == (Q.Q6_K if tied else Q.Q8_0)

@@ -119,3 +119,56 @@ def test_the_steps_compiled_while_attention_compiles_have_the_types_of_a_forward
     grown = {name: sorted(set(seen["after"][name]) - set(sigs)) for name, sigs in warmed.items()
              if set(seen["after"][name]) - set(sigs)}
     assert grown == {}, f"the forward passes compiled other signatures of: {grown}"
+
+
+LATER_PROBE = """
+import json, sys
+import numpy as np
+from worker.engine.compile_ahead import forget, pending, steps_job
+from worker.engine.kernels import fused
+from worker.engine.loaded import Engine
+
+engine = Engine.load(sys.argv[1])
+model = engine.model
+job = steps_job(engine.architecture, model.held_weights(), model.kv_type)
+if sys.argv[2] == "first":
+    forget(job)  # this combination's steps as on a first start (the leaf kernels may be cached)
+heard = []
+engine.warm_up(later=heard.append)
+seen = {"one call at once": model.one_call_blocks, "thread": engine.compiling_later is not None}
+
+def run():
+    cache = engine.new_cache(64)
+    return [engine.prefill(cache, list(range(1, 30)), chunk=16), model.forward([(cache, [5])])[0]]
+
+meanwhile = run()
+if engine.compiling_later is not None:
+    engine.compiling_later.join(600)
+after = run()
+seen.update({"one call after": model.one_call_blocks, "marked": not pending(job), "heard": len(heard),
+             "same": all(np.array_equal(a, b) for a, b in zip(meanwhile, after)),
+             "finite": all(np.isfinite(a).all() for a in after), "one-call signatures": len(fused.dense_block.signatures)})
+print(json.dumps(seen))
+"""
+
+
+def test_a_first_start_serves_before_the_one_call_blocks_compile_with_the_same_numbers(tmp_path):
+    """A first start of a dense model's block steps leaves the one call that takes a sequence's
+    whole block to a thread after the warm-up; the four calls serve meanwhile. The logits of a
+    chunked prefill and a decode step are the same, to the bit, before and after it switches, and
+    the steps are marked only then. A later start compiles nothing after its warm-up."""
+    path = tmp_path / "llama.gguf"
+    write_tiny_gguf(path, "llama", tensor_type="Q8_0")
+
+    def start(kind: str) -> dict:
+        out = subprocess.run([sys.executable, "-c", LATER_PROBE, str(path), kind], cwd=REPO, capture_output=True,
+                             text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first = start("first")
+    assert first == {"one call at once": False, "thread": True, "one call after": True, "marked": True, "heard": 1,
+                     "same": True, "finite": True, "one-call signatures": 1}
+    again = start("again")
+    assert again["thread"] is False and again["one call at once"] is True and again["heard"] == 0
+    assert again["same"] and again["marked"] and again["one-call signatures"] == 1

@@ -225,9 +225,9 @@ class NanochatCheckpoint:
     def tensor_names(self) -> list[str]:
         return list(self.names)
 
-    def matrix_types(self) -> set:
-        """Block types repacked in panels: none (a checkpoint's weights are floats)."""
-        return set()
+    def matrix_weights(self) -> dict:
+        """Weights of each block type repacked in panels: none (a checkpoint's weights are floats)."""
+        return {}
 
     def head_type(self) -> None:
         return None

@@ -76,7 +76,7 @@ def compile_job(job: str) -> None:
         qtype = _block_type(what)
         weights = panels.FORMATS[qtype][0]
         acts = QuantizedActivations(np.zeros((1, weights), np.float32))
-        packed = np.zeros((1, 1), panels.block_dtype(qtype))
+        packed = np.zeros((1, 1), panels.block_dtype(qtype, rows=kind == "rows"))
         (GEMM_KERNELS if kind == "gemm" else FEW_ROWS_KERNELS)[qtype](packed, *acts.parts, np.zeros((1, 1), np.float32))
     else:
         raise ValueError(f"unknown kernel job {job!r}")
@@ -97,7 +97,9 @@ def describe(jobs: list[str]) -> str:
     types = [job.partition(":")[2] for job in jobs if job.startswith("gemm:")]
     if types:
         parts.append(" and ".join([", ".join(types[:-1]), types[-1]] if len(types) > 1 else types) + " matrices")
-    parts += [f"a {job.partition(':')[2]} head" for job in jobs if job.startswith("rows:")]
+    rows = [job.partition(":")[2] for job in jobs if job.startswith("rows:")]
+    if rows:
+        parts.append(" and ".join(rows) + " matrices without the tile loop")
     parts += [f"the {job.partition(':')[2].partition('-')[0]} block steps for these weight types"
               for job in jobs if job.startswith("steps:")]
     return ", ".join(parts)
@@ -107,10 +109,20 @@ def steps_job(architecture: str, held: list, kv_type: str) -> str:
     """The job naming the block steps a model compiles in its warm-up: its architecture, and a
     digest of how its weights are held (the kind and type of each: numba compiles a function
     once per combination of argument types) and of its cache's type."""
-    kinds = sorted({f"{w.dtype}/{w.ndim}" if isinstance(w, np.ndarray) else
-                    f"{type(w).__name__}:{getattr(w.qtype, 'name', w.qtype)}/{len(w.shape)}" for w in held})
+    kinds = sorted(map(_held_as, held))
     digest = hashlib.sha256(repr((kv_type, kinds)).encode()).hexdigest()[:12]
     return f"steps:{architecture}-{digest}"
+
+
+def _held_as(weight) -> str:
+    """How numba sees a held weight: an array's type and rank, or a weight's kind, its block type
+    (a weight held as float32 has none) and rank, and its panels' record type, which names the GEMM."""
+    if isinstance(weight, np.ndarray):
+        return f"{weight.dtype}/{weight.ndim}"
+    qtype = getattr(weight, "qtype", None)
+    panels = getattr(weight, "panels", None)
+    record = panels.dtype.names[0] if panels is not None else ""
+    return f"{type(weight).__name__}:{getattr(qtype, 'name', qtype)}:{record}/{len(weight.shape)}"
 
 
 def pending(job: str) -> bool:
@@ -121,15 +133,21 @@ def mark_done(job: str) -> None:
     _marker(job).touch()
 
 
-def leaf_jobs(layer_types, head_type, kv_type: str) -> list[str]:
-    """The leaf kernels not yet compiled that a model needs: attention over its cache's type,
-    the GEMM of each block type of its layers' matrices, and its head's
-    (``weights.head_kernel_type``; None: a head without panels)."""
-    from worker.engine.weights import head_kernel_type
+def forget(job: str) -> None:
+    """Unmark a job: the next start takes it as a first start would (what it finds in numba's
+    cache, it loads)."""
+    _marker(job).unlink(missing_ok=True)
 
-    kinds = {(t, "gemm") for t in layer_types}
+
+def leaf_jobs(layer_weights: dict, head_type, kv_type: str) -> list[str]:
+    """The leaf kernels not yet compiled that a model needs: attention over its cache's type,
+    and the GEMM of each block type of its layers' matrices (``layer_weights``: weights of each)
+    and of its head (None: a head without panels), each of its kind (``weights.kernel_kind``)."""
+    from worker.engine.weights import kernel_kind
+
+    kinds = {(t, kernel_kind(t, layer_weights)) for t in layer_weights}
     if head_type is not None:
-        kinds.add((head_type, head_kernel_type(head_type, layer_types)))
+        kinds.add((head_type, kernel_kind(head_type, layer_weights)))
     jobs = [f"attention:{kv_type}"] + [f"{kind}:{getattr(t, 'name', t)}"
                                        for t, kind in sorted(kinds, key=lambda k: (int(k[0]), k[1]))]
     return [job for job in jobs if not _marker(job).exists()]
@@ -180,8 +198,8 @@ class CompileAhead:
     started: float = field(default_factory=time.monotonic)
 
     @classmethod
-    def start(cls, layer_types, head_type, kv_type: str, cores: int | None = None) -> CompileAhead:
-        jobs = leaf_jobs(layer_types, head_type, kv_type)
+    def start(cls, layer_weights: dict, head_type, kv_type: str, cores: int | None = None) -> CompileAhead:
+        jobs = leaf_jobs(layer_weights, head_type, kv_type)
         ahead = cls(jobs)
         if not jobs:
             return ahead

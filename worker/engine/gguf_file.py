@@ -229,6 +229,7 @@ class GGUFFile:
         self.metadata = first.metadata
         self._parts = [first, *self._later_parts(first)]
         self._tensors: dict[str, TensorInfo] = {}
+        self._matrix_weights: dict | None = None
         for part in self._parts:
             for name, info in part.tensors.items():
                 if name in self._tensors:
@@ -347,10 +348,17 @@ class GGUFFile:
         rows = raw.reshape(*info.shape[:-1], row_bytes(qtype, info.shape[-1]))
         return QuantizedWeight(qtype, info.shape, rows)
 
-    def matrix_types(self) -> set:
-        """The block types of the 2-D tensors a model repacks in panels (``panels.packable``)
-        besides the embedding and the head (``head_type``): what the layers' GEMMs take."""
-        return {qtype for name, qtype in self._packable() if name not in HEAD_NAMES}
+    def matrix_weights(self) -> dict:
+        """The weights of each block type among the 2-D tensors a model repacks in panels
+        (``panels.packable``), the embedding and the head (``head_type``) left out: what the
+        layers' GEMMs take."""
+        if self._matrix_weights is None:
+            weights: dict = {}
+            for name, qtype in self._packable():
+                if name not in HEAD_NAMES:
+                    weights[qtype] = weights.get(qtype, 0) + math.prod(self._tensors[name].shape)
+            self._matrix_weights = weights
+        return self._matrix_weights
 
     def head_type(self):
         """The block type of the head if it is repacked in panels (else None): ``output.weight``,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from worker.engine.archs import load_model
 from worker.engine.checkpoint import NanochatCheckpoint
 from worker.engine.compile_ahead import CompileAhead, mark_done, pending, steps_job
 from worker.engine.gguf_file import GGUFFile
+from worker.engine.kernels import fused
 from worker.engine.kv_cache import KVCache
 from worker.engine.model import DecoderModel
 
@@ -41,6 +43,8 @@ class Engine:
     fingerprint: str  # identifies weights + KV geometry: cached KV is only valid for the same
     metadata: dict = field(repr=False, default_factory=dict)
     compiling: CompileAhead | None = field(repr=False, default=None)  # helpers of a first start
+    # a first start's compile of the one-call blocks after the warm-up (``warm_up``'s ``later``)
+    compiling_later: threading.Thread | None = field(repr=False, default=None)
 
     @classmethod
     def load(cls, path: str | os.PathLike, on_progress: Callable[[int, int], None] | None = None,
@@ -51,7 +55,7 @@ class Engine:
         # a directory is a nanochat checkpoint; anything else a GGUF file
         gguf = NanochatCheckpoint(path, on_progress) if os.path.isdir(path) else GGUFFile(path, on_progress)
         # the kernels a first start on this CPU lacks compile in other processes while it loads
-        ahead = CompileAhead.start(gguf.matrix_types(), gguf.head_type(), kv_type) if kernels.available() and not exact else None
+        ahead = CompileAhead.start(gguf.matrix_weights(), gguf.head_type(), kv_type) if kernels.available() and not exact else None
         model = load_model(gguf, exact, kv_type)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         for key in _KEPT_BY_TOKENIZER:
@@ -69,7 +73,8 @@ class Engine:
     def new_cache(self, max_tokens: int) -> KVCache:
         return self.model.new_cache(max_tokens)
 
-    def warm_up(self, on_compile: Callable[[list[str]], None] | None = None) -> None:
+    def warm_up(self, on_compile: Callable[[list[str]], None] | None = None,
+                later: Callable[[float], None] | None = None) -> None:
         """Run each path of a forward pass once on scratch caches: a chunk of one sequence, a
         batch of two, one token alone. numba compiles a kernel on its first call (on a first
         start on a CPU that takes a minute or more; later starts load it from the disk cache),
@@ -81,7 +86,13 @@ class Engine:
         layer) keeps a team of threads for each thread that ran a parallel kernel; a team left
         on the caller would count against the cores while another thread (the worker's engine
         thread) runs the kernels, and libgomp then puts idle threads to sleep between parallel
-        regions instead of spinning: a served decode step took three times as long."""
+        regions instead of spinning: a served decode step took three times as long.
+
+        With ``later``, a first start of these block steps leaves one of them to a thread that
+        compiles it after this returns: the one call that takes one sequence's whole dense block
+        (``fused.dense_block``), a few seconds of a first start that only saves a decode step the
+        Python between four calls a layer. The four calls serve meanwhile, with the same numbers;
+        the thread then switches to the one and calls ``later`` with the seconds it took."""
         ahead = self.compiling if self.compiling is not None and self.compiling.jobs else None
         steps = [] if self.compiling is None else [steps_job(self.architecture, self.model.held_weights(),
                                                              self.model.kv_type)]
@@ -90,6 +101,8 @@ class Engine:
             on_compile((ahead.jobs if ahead is not None else []) + steps)
         self.compiling = None
         failure: list[BaseException] = []
+        deferred = self.model.one_call_signatures() if steps and later is not None else set()
+        self.model.one_call_blocks = not deferred
 
         def run() -> None:
             try:
@@ -110,9 +123,26 @@ class Engine:
         thread.join()
         if failure:
             raise failure[0]
+        if deferred:
+            self.compiling_later = threading.Thread(target=self._compile_later, args=(deferred, steps, later),
+                                                    name="one-call blocks", daemon=True)
+            self.compiling_later.start()
+            return
         for job in steps:
             mark_done(job)
         kernels.page_out_compiler()
+
+    def _compile_later(self, signatures: set[tuple], steps: list[str], later: Callable[[float], None]) -> None:
+        """Compile the one-call blocks without running them, then take them; the steps' job is
+        marked only then, so a start that stops before compiles them again."""
+        started = time.perf_counter()
+        for signature in signatures:
+            fused.dense_block.compile(signature)
+        self.model.one_call_blocks = True
+        for job in steps:
+            mark_done(job)
+        kernels.page_out_compiler()
+        later(time.perf_counter() - started)
 
     def prefill(self, cache: KVCache, tokens: list[int], chunk: int = DEFAULT_PREFILL_CHUNK) -> np.ndarray:
         """Feed tokens in chunks (bounded memory for attention scores); logits of the last one."""

@@ -24,7 +24,7 @@ from worker.engine import kernels, ops
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels import fused
 from worker.engine.kv_cache import KV_TYPES, KVCache
-from worker.engine.weights import FLOAT_KERNELS, MatmulInput, PanelWeight, QuantizedWeight, Weight, head_kernel_type
+from worker.engine.weights import FLOAT_KERNELS, MatmulInput, PanelWeight, QuantizedWeight, Weight, kernel_kind
 
 
 @dataclass(frozen=True)
@@ -221,6 +221,9 @@ class DecoderModel:
     reads_cache_tokens: bool = False
     # replies are written a block at a time by denoising passes (``denoise``), not token by token
     diffusion: ClassVar[bool] = False
+    # one sequence's dense block is one compiled call (``fused.dense_block``); False while that
+    # call compiles after a first start's warm-up (``Engine.warm_up``), its four calls meanwhile
+    one_call_blocks: bool = True
 
     def __init__(self, gguf: GGUFFile, exact: bool = False, kv_type: str = "f16"):
         self.path = gguf.path
@@ -246,8 +249,6 @@ class DecoderModel:
             self.output = self.load_weight(gguf, "output.weight", self.token_embd.shape)
         else:  # small models tie the output head to the embedding: one packed weight serves both
             self.output = self.token_embd = self.packed(gguf, "token_embd.weight", self.token_embd)
-        if isinstance(self.output, PanelWeight) and head_kernel_type(self.output.qtype, gguf.matrix_types()) == "rows":
-            self.output.for_few_rows()
         self.layers = [self.load_layer(gguf, i) for i in range(self.hp.n_layer)]
         self.load_globals(gguf)
         self.fused = [self.fused_layer(layer) for layer in self.layers]
@@ -357,12 +358,16 @@ class DecoderModel:
     @staticmethod
     def packed(gguf: GGUFFile, name: str, weight: Weight) -> Weight:
         """``weight`` repacked in panels if it can be (a 2-D matrix of a block type with them),
-        its pages of the file let go once copied; else itself."""
+        its pages of the file let go once copied, and given the GEMM of its kind
+        (``weights.kernel_kind``, from the file's header as the kernels compiled ahead are); else
+        itself."""
         if not isinstance(weight, QuantizedWeight):
             return weight
         packed = weight.packed()
         if packed is not weight:
             gguf.release(name)
+            if kernel_kind(packed.qtype, gguf.matrix_weights()) == "rows":
+                packed.without_tiles()
         return packed
 
     def load_layer(self, gguf: GGUFFile, i: int) -> dict[str, Any]:
@@ -458,14 +463,29 @@ class DecoderModel:
         spec = self.fused[i]
         if spec is None or spec.swiglu is None:
             return self.ffn_half(i, self.attention_half(i, x, fp))
-        if len(fp.caches) == 1:  # one sequence (a lone stream's step, a prefill chunk): one call
-            hp, cache, options = self.hp, fp.caches[0], self.attention_options[i]
-            rope = (*fp.rope[i], hp.n_head, hp.n_head_kv, hp.head_dim, hp.value_dim)
-            return fused.dense_block(x, spec.attention, rope, *cache.kernel_arrays(i), cache.length,
-                                     np.float32(options.scale), options.window, np.float32(options.softcap),
-                                     spec.output, spec.swiglu)
+        if len(fp.caches) == 1 and self.one_call_blocks:  # one sequence (a lone stream's step, a prefill chunk)
+            return fused.dense_block(*self.one_call_arguments(i, x, fp.caches[0], fp.rope[i]))
         fused.attention_output(x, self.fused_attention(i, x, fp), *spec.output)
         return fused.swiglu(x, *spec.swiglu)
+
+    def one_call_arguments(self, i: int, x: np.ndarray, cache: KVCache, rope: tuple) -> tuple:
+        """``fused.dense_block``'s arguments for layer i of one sequence."""
+        hp, spec, options = self.hp, self.fused[i], self.attention_options[i]
+        return (x, spec.attention, (*rope, hp.n_head, hp.n_head_kv, hp.head_dim, hp.value_dim),
+                *cache.kernel_arrays(i), cache.length, np.float32(options.scale), options.window,
+                np.float32(options.softcap), spec.output, spec.swiglu)
+
+    def one_call_signatures(self) -> set[tuple]:
+        """The numba types of ``fused.dense_block``'s arguments for each of its layers (those of a
+        forward pass: the arguments made as ``dense_block`` makes them)."""
+        layers = [i for i, spec in enumerate(getattr(self, "fused", [])) if spec is not None and spec.swiglu]
+        if not layers:
+            return set()
+        x = np.zeros((1, self.hp.n_embd), dtype=np.float32)
+        cache, rope = self.new_cache(8), self.layer_rope_tables(np.arange(1))
+        cache.reserve(1)
+        return {tuple(map(fused.dense_block.typeof_pyval, self.one_call_arguments(i, x, cache, rope[i])))
+                for i in layers}
 
     def fused_attention(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:
         """Compiled: attn_norm, Q/K/V, Q/K norms, RoPE, the caches' store and attention of each
@@ -477,8 +497,9 @@ class DecoderModel:
 
     def warm_products(self) -> None:
         """Run, on one row, the compiled block steps that do not attend (a fused layer's inputs, and
-        its output half where that is a SwiGLU) and the head: on a first start they compile while the attention kernel
-        still compiles in its helper, which ``forward`` would wait for. Types as ``forward``'s."""
+        its output half where that is a SwiGLU) and the head: on a first start they compile while
+        the attention kernel still compiles in its helper, which ``forward`` would wait for. Types
+        as ``forward``'s."""
         hp = self.hp
         layers = [(i, spec) for i, spec in enumerate(getattr(self, "fused", [])) if spec is not None]
         if not layers:

@@ -49,9 +49,11 @@ NAMES = {Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q5_0: "q5_0", Q.Q5_1: "q5_1", Q.Q8_0:
 PANELS_PER_STEP = 64  # panels packed at once: bounds the temporaries of a large matrix
 
 
-def block_dtype(qtype) -> np.dtype:
-    """The record type of one panel block of ``qtype``: PANEL file blocks' bytes."""
-    return np.dtype([(NAMES[qtype], np.uint8, (PANEL * FORMATS[qtype][1],))])
+def block_dtype(qtype, rows: bool = False) -> np.dtype:
+    """The record type of one panel block of ``qtype``: PANEL file blocks' bytes. Its name picks
+    the GEMM (``kernels.fused.product``): ``q8_0``, or with ``rows`` ``q8_0_rows``, the same
+    blocks multiplied without the tile loop (``weights.kernel_kind``)."""
+    return np.dtype([(NAMES[qtype] + ("_rows" if rows else ""), np.uint8, (PANEL * FORMATS[qtype][1],))])
 
 
 def packable(qtype, shape: tuple[int, ...]) -> bool:

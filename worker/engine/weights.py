@@ -58,12 +58,18 @@ GEMM_KERNELS = {
 FEW_ROWS_KERNELS = {Q.Q8_0: gemm.gemm_q8_0_rows}
 
 
-def head_kernel_type(qtype, layer_types) -> str:
-    """Which GEMM a model's head takes, ``gemm`` or ``rows``: the head meets the last row of
-    each sequence, too few for the tile loops, so where no other matrix of the model shares its
-    type (a Q8_0 head over Q4_K layers) it takes the kernel without them, which compiles in a
-    third of the time; else the layers' own, compiled anyway."""
-    return "rows" if qtype in FEW_ROWS_KERNELS and qtype not in layer_types else "gemm"
+def kernel_kind(qtype, layer_weights: dict) -> str:
+    """Which GEMM a model's matrices of ``qtype`` take: ``gemm``, or ``rows``, the type's GEMM
+    without the tile loop (``FEW_ROWS_KERNELS``), unless the type holds at least half of the
+    layers' weights (``layer_weights``: weights of each block type, the embedding and the head
+    left out). The tile loop is worth 1.2-1.3x on the matrices that take it and costs a first
+    start 5-6 s of compiling: a head meets too few rows for it (the last of each sequence), and
+    the few Q8_0 matrices of a file of other types (nine of gemma-3-270m Q4_K_M's 126) gave no
+    prefill gain that showed. Either way the numbers are the same."""
+    if qtype not in FEW_ROWS_KERNELS:
+        return "gemm"
+    share = layer_weights.get(qtype, 0)
+    return "gemm" if share and 2 * share >= sum(layer_weights.values()) else "rows"
 
 
 # float type -> its kind for the kernel taking float32 activations
@@ -168,9 +174,13 @@ class PanelWeight:
         self.panels = packed
         self.kernel = GEMM_KERNELS[qtype]
 
-    def for_few_rows(self) -> None:
-        """Multiply by the type's kernel without the tile loops (``FEW_ROWS_KERNELS``), if it has one."""
-        self.kernel = FEW_ROWS_KERNELS.get(self.qtype, self.kernel)
+    def without_tiles(self) -> None:
+        """Multiply by the type's GEMM without the tile loop (``FEW_ROWS_KERNELS``), if it has
+        one: the panels' record type names it (``panels.block_dtype``), for the compiled block
+        steps as for this weight's own products."""
+        if self.qtype in FEW_ROWS_KERNELS:
+            self.panels = self.panels.view(panels.block_dtype(self.qtype, rows=True))
+            self.kernel = FEW_ROWS_KERNELS[self.qtype]
 
     @property
     def nbytes(self) -> int:
