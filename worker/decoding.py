@@ -75,10 +75,12 @@ class Decoding:
         return stream.budget
 
     def passing(self, batch: list[tuple[Stream, list[int]]]) -> tuple[dict[int, int], dict[int, Drafter]]:
-        """What a pass over the batch must give back besides each stream's last logits: the rows
-        of the streams verifying drafts (how many), and the final states of the streams whose
-        drafters read them (to whom)."""
+        """What a pass over the batch must give back instead of each stream's last logits: the
+        rows of the streams verifying drafts (how many), none for a stream whose prompt goes on
+        past this chunk, and the final states of the streams whose drafters read them (to whom)."""
         tails = {id(s): len(toks) for s, toks in batch if not s.pending and len(toks) > 1}
+        # a prompt chunk with more of the prompt after it: its logits would go unread
+        tails.update({id(s): 0 for s, toks in batch if len(toks) < len(s.pending)})
         readers = {id(s): spec.index for s, _ in batch
                    if (spec := self.speculation_of(s)) is not None and spec.index.reads_states}
         return tails, readers

@@ -261,6 +261,7 @@ class Scheduler:
                 cache.snapshot_every = self.spiller.chunk_tokens
             stream.cached = cached - stream.prefix  # of the conversation's own tokens
             stream.pending = list(stream.held[cached:])
+            cache.resumable_at = len(stream.held) - 1  # the next turn goes on from this prompt
             cache.reserve(len(stream.pending))  # grown once, not chunk by chunk
             with self.lock:
                 self.running.append(stream)

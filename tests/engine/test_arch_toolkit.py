@@ -98,6 +98,63 @@ def test_gelu_tanh_values():
     np.testing.assert_allclose(ops.gelu_tanh(x), expected, atol=1e-6)
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the compiled kernels need AVX2, FMA and F16C")
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 37), (64, 640), (2, 5)])
+def test_the_compiled_gelu_gate_matches_the_formula_and_keeps_rows_apart(shape):
+    from worker.engine.kernels import rowwise
+    rng = np.random.default_rng(sum(shape))
+    g = (rng.standard_normal(shape) * 4).astype(np.float32)
+    g[0, :2] = [-60.0, 60.0]  # far tails: e^(-2|y|) underflows, σ is 0 or 1
+    u = rng.standard_normal(shape).astype(np.float32)
+    exact = 0.5 * g.astype(np.float64) * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g.astype(np.float64) ** 3)))
+    got = rowwise.gelu_tanh_times(g, u, np.empty_like(g))
+    np.testing.assert_allclose(got, exact * u, rtol=2e-6, atol=2e-6 * np.abs(u).max())
+    # the hand-computed values of the test above, through the kernel
+    x = np.array([[-3.0, -1.0, 0.0, 1.0, 3.0, 0.5, -0.5, 2.0, 7.0]], dtype=np.float32)
+    np.testing.assert_allclose(rowwise.gelu_tanh_times(x, np.ones_like(x), np.empty_like(x))[0, :5],
+                               [-0.0036373920817, -0.1588080094, 0.0, 0.8411919906, 2.9963626079], atol=1e-6)
+    # a row alone gets the bits it gets among the others; out may be the gate itself
+    for r in range(shape[0]):
+        alone = rowwise.gelu_tanh_times(g[r:r + 1].copy(), u[r:r + 1].copy(), np.empty_like(g[r:r + 1]))
+        assert (alone == got[r:r + 1]).all()
+    in_place = g.copy()
+    assert (rowwise.gelu_tanh_times(in_place, u, in_place) == got).all()
+
+
+@pytest.mark.parametrize("width", [640, 128, 37, 8, 5])
+def test_the_compiled_rms_norm_matches_the_formula_at_any_alignment(width):
+    from worker.engine.kernels import rowwise
+    rng = np.random.default_rng(width)
+    x = (rng.standard_normal((6, width)) * 3).astype(np.float32)
+    weight = rng.standard_normal(width).astype(np.float32)
+    got = rowwise.rms_norm(x, weight, 1e-6, np.empty_like(x))
+    wide = x.astype(np.float64)
+    np.testing.assert_allclose(got, wide / np.sqrt((wide ** 2).mean(axis=1, keepdims=True) + 1e-6) * weight,
+                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(rowwise.rms_norm(x, np.zeros(0, np.float32), 1e-6, np.empty_like(x)),
+                               got / weight, rtol=1e-5, atol=1e-5)
+    # a row gets the same bits alone, three floats off alignment, and as a strided view
+    for r in range(6):
+        buffer = np.zeros(width + 3, dtype=np.float32)
+        buffer[3:] = x[r]
+        alone = rowwise.rms_norm(buffer[3:].reshape(1, width), weight, 1e-6, np.empty((1, width), np.float32))
+        assert (alone[0] == got[r]).all()
+    strided = np.zeros((6, 2 * width), dtype=np.float32)[:, ::2]
+    strided[:] = x
+    assert (rowwise.rms_norm(strided, weight, 1e-6, np.empty_like(x)) == got).all()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the compiled kernels need AVX2, FMA and F16C")
+def test_the_gelu_ffn_takes_the_compiled_gate_with_numpys_result():
+    from worker.engine.weights import DenseWeight
+    rng = np.random.default_rng(3)
+    gate, up, down = (DenseWeight(rng.standard_normal(s).astype(np.float32)) for s in ((48, 32), (48, 32), (32, 48)))
+    x = rng.standard_normal((5, 32)).astype(np.float32)
+    g, u = ops.linear(x, gate), ops.linear(x, up)
+    expected = ops.linear(ops.gelu_tanh(g) * u, down)
+    np.testing.assert_allclose(ops.gated_ffn(x, gate, up, down, "gelu_tanh"), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_an_unknown_activation_fails_at_load(tiny_llama):
     class Odd(LlamaModel):
         activation = "relu6"
@@ -212,3 +269,19 @@ def test_attend_on_a_canvas_sees_both_ways_and_writes_nothing(window):
     for cache, (keys, values) in zip(fp.caches, held):
         np.testing.assert_array_equal(cache.keys[0], keys)
         np.testing.assert_array_equal(cache.values[0], values)
+
+
+def test_a_tail_of_0_gives_no_logits_and_leaves_the_others_and_the_cache_alone(tiny_llama):
+    model = LlamaModel(tiny_llama)
+    head, rest = TOKENS[:16], TOKENS[16:]
+    both = [model.new_cache(32), model.new_cache(32)]
+    first, second = model.forward([(both[0], head), (both[1], head[:5])], tails=[0, 1])
+    assert first.shape == (0, model.hp.n_vocab) and second.shape == (model.hp.n_vocab,)
+    alone = model.new_cache(32)
+    np.testing.assert_array_equal(second, model.forward([(alone, head[:5])])[0])
+    # the chunk's KV went in all the same: the rest of the prompt reads the same as in one pass
+    whole = model.forward([(model.new_cache(32), TOKENS)])[0]
+    np.testing.assert_array_equal(model.forward([(both[0], rest)])[0], whole)
+    # nothing but prompt chunks in the pass: no head at all
+    (none,) = model.forward([(model.new_cache(32), head)], tails=[0])
+    assert none.shape == (0, model.hp.n_vocab)

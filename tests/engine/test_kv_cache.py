@@ -211,3 +211,32 @@ def test_positions_wait_for_the_kvstore_before_they_go(sliding_model):
     cache.spilled = 512
     model.forward([(cache, [7])])
     assert cache.released == 512
+
+
+@pytest.mark.parametrize("resumable", [True, False])
+def test_a_cache_keeps_the_windows_before_its_prompts_end_for_the_next_turn(sliding_model, resumable):
+    from worker.engine.kv_cache import RELEASE_STEP
+
+    model = sliding_model
+    rng = np.random.default_rng(4)
+    prompt, reply = list(rng.integers(3, 200, 400)), list(rng.integers(3, 200, 500))
+    cache = model.new_cache(1000)
+    if resumable:
+        cache.resumable_at = len(prompt) - 1  # as the scheduler marks a request's prompt
+    model.forward([(cache, prompt)])
+    for start in range(0, len(reply), 100):  # the reply, read back as it is written
+        model.forward([(cache, reply[start:start + 100])])
+    # the same prompt again, or the next turn after a reply rendered otherwise: it goes on from
+    # the prompt's last token where the mark was set, and starts afresh where not
+    assert cache.continues_from(len(prompt) - 1) == resumable
+    assert cache.common_prefix(prompt) == (len(prompt) if resumable else 0)
+    # the mark holds back only what lies behind it: the sliding layers still let go of the rest
+    assert 0 < cache.released <= len(prompt) - 1 - cache.reach if resumable else cache.released > len(prompt)
+    assert cache.released >= len(prompt) - 1 - cache.reach - RELEASE_STEP
+    # and the positions it kept read the same as a cache that never released any
+    reference = _windowless(model, 1000)
+    model.forward([(reference, prompt[:-1])])
+    if resumable:
+        cache.truncate(len(prompt) - 1)
+        np.testing.assert_array_equal(model.forward([(cache, prompt[-1:] + [9])])[0],
+                                      model.forward([(reference, prompt[-1:] + [9])])[0])

@@ -341,3 +341,35 @@ def test_without_a_budget_every_idle_cache_stays(engine):
     slots = [_conversation(pool, engine, [1000 + 200 * n + i for i in range(150)]) for n in range(3)]
     _conversation(pool, engine, [7] * 500)
     assert pool.dropped == 0 and [slot.cache.length for slot in slots] == [150, 150, 150]
+
+
+def test_a_sliding_window_models_next_turn_goes_on_from_its_prompt_however_the_reply_reads(tmp_path):
+    """The sliding layers give back old positions as a reply runs on; the next turn, which
+    repeats the prompt and renders the reply otherwise, still goes on from the prompt's end in
+    the resident slot, with the tokens a cold start gives."""
+    path = tmp_path / "gemma3.gguf"
+    write_tiny_gguf(path, "gemma3")  # five layers sliding over 4 positions, then a global one
+    engine = Engine.load(path)
+    prompt = [int(t) for t in np.random.default_rng(8).integers(3, 200, 400)]
+
+    def turn(scheduler, outbox, rid, tokens, n):
+        scheduler.submit(b"gw", Generate(rid, tokens, SamplingParams(temperature=0.0), n, stop_ids=[]))
+        for _ in range(400):
+            if not scheduler.running and not scheduler.waiting:
+                break
+            scheduler.admit()
+            scheduler.step()
+        first = next(m for m in outbox.messages if isinstance(m, Tokens) and m.request_id == rid)
+        return outbox.tokens(rid), first.cached_tokens
+
+    outbox = Outbox()
+    scheduler = Scheduler(engine, SchedulerSettings(ctx=1024, batch=1, kv_slots=1, prefill_chunk=64), outbox)
+    reply, cached = turn(scheduler, outbox, "first", prompt, 300)
+    assert len(reply) == 300 and cached == 0
+    [slot] = scheduler.pool.slots
+    assert slot.cache.released > 0  # the reply ran past a window and a release step
+    following = prompt + [int(t) + 1 for t in reply[:50]] + [11, 12, 13]  # the reply rendered otherwise
+    again, cached = turn(scheduler, outbox, "next", following, 12)
+    assert cached == len(prompt)
+    cold = Scheduler(engine, SchedulerSettings(ctx=1024, batch=1, kv_slots=1, prefill_chunk=64), Outbox())
+    assert again == turn(cold, cold.send, "cold", following, 12)[0]

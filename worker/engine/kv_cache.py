@@ -11,7 +11,8 @@ attention computes in float32.
 
 Layers that attend over a sliding window never read a key again once it is a window (and a key
 block) behind the last position: as a sequence grows, the pages of those positions are given
-back (``released``), so a long conversation holds its sliding layers' window, not its length.
+back (``released``), so a long conversation holds its sliding layers' window (and its last
+reply, see ``resumable_at``), not its length.
 The cache can then continue only from prefixes whose windows it still holds: a shorter one is
 started afresh (``truncate``), and those positions are never exported (a kvstore spills them
 before they go: ``spilled``).
@@ -65,6 +66,11 @@ class KVCache:
             raise ValueError(f"{len(self.windows)} windows given for {n_layer} layers")
         self.reach = max(self.windows) + READ_MARGIN if any(self.windows) else 0
         self.released = 0  # sliding layers hold no position below this (their pages given back)
+        # the sliding layers keep the window before this position (0: none): where the prompt of
+        # the request being served ends, less its last token, so that the conversation's next
+        # request, which repeats that prompt and goes on, continues here however the reply is
+        # rendered back to it (and so does the same prompt sent again)
+        self.resumable_at = 0
         # positions below this are in the kvstore (or on their way): only those may be released;
         # None: no kvstore, nothing to wait for
         self.spilled: int | None = None
@@ -148,8 +154,11 @@ class KVCache:
 
     def _release_behind(self) -> None:
         """Give back the sliding layers' pages of positions no later step reads (a window and a
-        key block behind the end), and not yet spilled ones while a kvstore waits for them."""
+        key block behind the end, or behind ``resumable_at``), and not yet spilled ones while a
+        kvstore waits for them."""
         target = self.length - self.reach
+        if self.resumable_at:
+            target = min(target, self.resumable_at - self.reach)
         if self.spilled is not None:
             target = min(target, self.spilled)
         if target - self.released < RELEASE_STEP:

@@ -146,11 +146,11 @@ class Engine:
 
     def prefill(self, cache: KVCache, tokens: list[int], chunk: int = DEFAULT_PREFILL_CHUNK) -> np.ndarray:
         """Feed tokens in chunks (bounded memory for attention scores); logits of the last one."""
-        logits = None
-        for start in range(0, len(tokens), chunk):
-            logits = self.model.forward([(cache, tokens[start:start + chunk])])[0]
-        if logits is None:
+        if not tokens:
             raise ValueError("prefill needs at least one token")
+        for start in range(0, len(tokens), chunk):
+            last = start + chunk >= len(tokens)
+            logits = self.model.forward([(cache, tokens[start:start + chunk])], tails=[1 if last else 0])[0]
         return logits
 
 

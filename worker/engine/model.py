@@ -22,7 +22,7 @@ import numpy as np
 from shared.errors import ModelLoadError
 from worker.engine import kernels, ops
 from worker.engine.gguf_file import GGUFFile
-from worker.engine.kernels import fused
+from worker.engine.kernels import fused, rowwise
 from worker.engine.kv_cache import KV_TYPES, KVCache
 from worker.engine.weights import FLOAT_KERNELS, MatmulInput, PanelWeight, QuantizedWeight, Weight, kernel_kind
 
@@ -499,8 +499,11 @@ class DecoderModel:
         """Run, on one row, the compiled block steps that do not attend (a fused layer's inputs, and
         its output half where that is a SwiGLU) and the head: on a first start they compile while
         the attention kernel still compiles in its helper, which ``forward`` would wait for. Types
-        as ``forward``'s."""
+        as ``forward``'s. A GELU-gated family's gate (``ops.gated_ffn``) compiles here too."""
         hp = self.hp
+        if self.activation == "gelu_tanh" and kernels.available():
+            gate = np.zeros((1, 8), dtype=np.float32)
+            rowwise.gelu_tanh_times(gate, gate, gate)
         layers = [(i, spec) for i, spec in enumerate(getattr(self, "fused", [])) if spec is not None]
         if not layers:
             return
@@ -551,10 +554,12 @@ class DecoderModel:
 
         Logits are [n_vocab] for a sequence's last new token, or [T_s, n_vocab] for all of its
         new tokens with ``all_logits``, or [tails[s], n_vocab] for its last ``tails[s]`` where
-        that is above 1 (a speculating stream's verified rows). With ``hidden``, the final
-        RMSNorm's output [n_embd] stands in for the logits (what a fleet's index embeds). A
-        ``hidden_out`` list gets, per sequence, that output for every one of its new tokens
-        [T_s, n_embd] (what a multi-token-prediction draft reads). Each cache grows by its tokens.
+        that is not 1: above (a speculating stream's verified rows), or 0 (a prompt chunk with
+        more to come, whose logits nobody reads: [0, n_vocab], the head not applied). With
+        ``hidden``, the final RMSNorm's output [n_embd] stands in for the logits (what a fleet's
+        index embeds). A ``hidden_out`` list gets, per sequence, that output for every one of its
+        new tokens [T_s, n_embd] (what a multi-token-prediction draft reads). Each cache grows by
+        its tokens.
         """
         spans, positions, token_ids = [], [], []
         row = 0
@@ -585,9 +590,12 @@ class DecoderModel:
             tails = [end - start for start, end in spans]
         tails = tails or [1] * len(spans)
         rows = np.concatenate([np.arange(end - tail, end) for (_, end), tail in zip(spans, tails)])
-        logits = ops.rms_norm(x[rows], self.output_norm, self.hp.rms_eps) if hidden else self.logits(x[rows])
+        if not len(rows):  # every sequence still reading its prompt: no head to apply
+            logits = np.empty((0, self.hp.n_embd if hidden else self.hp.n_vocab), dtype=np.float32)
+        else:
+            logits = ops.rms_norm(x[rows], self.output_norm, self.hp.rms_eps) if hidden else self.logits(x[rows])
         ends = np.cumsum(tails)
-        return [logits[end - tail:end] if all_logits or tail > 1 else logits[end - 1]
+        return [logits[end - tail:end] if all_logits or tail != 1 else logits[end - 1]
                 for end, tail in zip(ends, tails)]
 
     def logits(self, x: np.ndarray) -> np.ndarray:
