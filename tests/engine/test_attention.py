@@ -14,6 +14,7 @@ from numba import njit
 from worker.engine import kernels, ops
 from worker.engine.kernels import attention
 from worker.engine.kernels.simd import load_f32x8, store_f32x8
+from worker.engine.kernels.wide_simd import WIDTH, put_transposed
 
 
 def reference(q, keys, values, first_pos, scale, window=None, softcap=None):
@@ -90,18 +91,20 @@ def test_compiled_attention_matches_the_reference(n_tokens, first_pos, window, s
 
 
 @needs_kernels
-@pytest.mark.parametrize("group, window, half", [
-    (3, 0, False),   # rows in fours cross token edges
-    (2, 0, True),    # an f16 cache
-    (1, 40, True),   # one head per KV head, a sliding window inside key blocks
-    (5, 0, False),   # a group whose rows leave a remainder after the fours
+@pytest.mark.parametrize("group, window, half, head_dim", [
+    (3, 0, False, 64),   # rows in fours cross token edges
+    (2, 0, True, 64),    # an f16 cache
+    (1, 40, True, 64),   # one head per KV head, a sliding window inside key blocks
+    (5, 0, False, 64),   # a group whose rows leave a remainder after the fours
+    (2, 0, True, 128),   # Qwen3's heads: each lane's chain eight (AVX-512) or sixteen products long
+    (3, 0, False, 40),   # a head that ends inside a vector: the turned keys padded with zeros
 ])
-def test_a_query_gets_the_same_bits_in_any_chunk(group, window, half):
+def test_a_query_gets_the_same_bits_in_any_chunk(group, window, half, head_dim):
     """What a query computes depends on its position and the cache only: a prompt attended in
-    one call (rows four at a time), in uneven chunks, or a token at a time (rows one by one)
-    gives identical rows."""
+    one call (rows four at a time, scores from the turned key block), in uneven chunks, or a
+    token at a time (rows two at a time from the cache in place) gives identical rows."""
     rng = np.random.default_rng(9)
-    n_tokens, n_kv, head_dim = 150, 3, 64
+    n_tokens, n_kv = 150, 3
     keys = rng.standard_normal((n_kv, n_tokens, head_dim), dtype=np.float32)
     values = rng.standard_normal((n_kv, n_tokens, head_dim), dtype=np.float32)
     if half:
@@ -116,6 +119,29 @@ def test_a_query_gets_the_same_bits_in_any_chunk(group, window, half):
     for cuts in ([0, 7, 8, 70, 150], list(range(151))):
         parts = [attend(a, b) for a, b in zip(cuts, cuts[1:])]
         np.testing.assert_array_equal(np.concatenate(parts), whole)
+
+
+@njit(cache=True)
+def _turn(out, out_at, out_stride, rows, rows_at, rows_stride, count, width):
+    put_transposed(out, out_at, out_stride, rows, rows_at, rows_stride, count, width)
+
+
+@needs_kernels
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("count, width", [(WIDTH, WIDTH), (3, 5), (0, WIDTH), (WIDTH, 2), (WIDTH - 1, WIDTH)])
+def test_a_block_of_keys_turns_dims_into_rows(half, count, width):
+    """``put_transposed`` writes value l of row n at row l, column n, reads no row past
+    ``count`` nor value past ``width`` (zeros there), and leaves the rest of ``out`` alone."""
+    rng = np.random.default_rng(count * 100 + width)
+    rows = rng.standard_normal((40, 50)).astype(np.float16 if half else np.float32)
+    out = np.full((WIDTH + 4, WIDTH + 14), 7.0, dtype=np.float32)
+    _turn(out, 2 * out.shape[1] + 3, out.shape[1], rows.view(np.uint16) if half else rows, 4 * 50 + 6, 50,
+          count, width)
+    block = np.zeros((WIDTH, WIDTH), dtype=np.float32)
+    block[:count, :width] = rows[4:4 + count, 6:6 + width]
+    want = np.full_like(out, 7.0)
+    want[2:2 + WIDTH, 3:3 + WIDTH] = block.T
+    np.testing.assert_array_equal(out, want)
 
 
 @needs_kernels

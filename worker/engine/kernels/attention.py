@@ -9,11 +9,16 @@ keys a row sees; a logit softcap bends scores through tanh.
 
 Per key block, in float32 and WIDTH lanes (``wide_simd.py``: 16 with AVX-512, else 8):
 
-* the block's keys and values are widened once into scratch rows (dims padded with zeros);
-* scores, four rows by four keys at a time: each score runs over the head in lanes (dim i in
-  lane i % WIDTH), folded to eight lanes and added in one fixed tree (``simd.sums8_f32``);
-  a task of few rows (a decode step) reads the cache in place instead, two rows by eight keys,
-  each score the same operations;
+* the block's values are widened once into scratch rows (dims padded with zeros), its keys
+  widened and turned (``put_transposed``): one scratch row per dim, the keys across it, the
+  dims of a lane (i, i + WIDTH, ...) in adjacent rows;
+* scores, four rows by SCORE_GROUPS · WIDTH keys at a time, the keys in lanes. A score is
+  defined as lanes over the head (dim i in lane i % WIDTH, each lane's products added in
+  order by one fused multiply-add after another from 0), folded to eight lanes and added in
+  one fixed tree (``simd.sums8_f32``). With the keys turned, each lane's chain runs for
+  sixteen or eight scores at once with no shuffles, then the fold and the tree are vertical
+  adds. A task of few rows (a decode step) reads the cache in place instead, two rows by
+  eight keys, dims in lanes and horizontal sums: the same operations on the same numbers;
 * the online softmax, row by row;
 * the weighted values, four rows at a time: each output dim sums its keys in order.
 
@@ -34,8 +39,9 @@ from numba.extending import intrinsic
 from worker.engine.kernels.simd import (add_f32, floor_f32, fmadd, load_f32x8, max_f32, mul_f32, pow2_f32,
                                         splat_f32, store_f32x8, store_kv8, sub_f32, sum_pairs_f32, sums8_f32)
 from worker.engine.kernels.wide_simd import (WIDTH, add_float, floor_floats, fma_float, keep_lanes, largest_lane,
-                                             load_floats, load_widened, max_float, mul_float,
-                                             pow2_floats, put_floats, splat_float, sub_float, to_eight, zeros_float)
+                                             load_floats, load_widened, max_float, mul_float, pow2_floats,
+                                             put_floats, put_transposed, splat_float, sub_float, to_eight,
+                                             zeros_float)
 
 KEY_BLOCK = 64
 QUERY_BLOCK = 64
@@ -119,27 +125,96 @@ def _widen_row(source, count, rows_out, r, chunks):
 
 
 @njit(inline="always", cache=True)
-def _score_quad(qf, kf, r, j, chunks, lanes):
-    """Rows r..r+3 against keys j..j+3: sixteen scores into ``lanes`` (row-major), each its
-    lanes over the head, folded to eight, then one fixed tree."""
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zeros_float()
-    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = zeros_float()
+def _lane_chains_four(qf, kt, r, g0, i, chunks, lane_sums):
+    """Lane i of the scores of rows r..r+3 against key groups g0..g0+3 (WIDTH keys each): for
+    each row and key, Σ q[d]·k[d] over the dims d = i, i + WIDTH, ... in that order, one fused
+    multiply-add at a time from 0, as lane i of ``_score_pair_from_cache``'s sums takes them;
+    into ``lane_sums[i]``, a vector per row and group."""
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zeros_float()
+    c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = zeros_float()
+    at = g0 * WIDTH
     for c in range(chunks):
-        at = WIDTH * c
-        k0, k1 = load_floats(kf[j], at), load_floats(kf[j + 1], at)
-        k2, k3 = load_floats(kf[j + 2], at), load_floats(kf[j + 3], at)
-        q = load_floats(qf[r], at)
+        dim = WIDTH * c + i
+        key = (i * chunks + c) * KEY_BLOCK + at
+        k0, k1 = load_floats(kt, key), load_floats(kt, key + WIDTH)
+        k2, k3 = load_floats(kt, key + 2 * WIDTH), load_floats(kt, key + 3 * WIDTH)
+        q = splat_float(qf[r, dim])
         a0, a1, a2, a3 = fma_float(q, k0, a0), fma_float(q, k1, a1), fma_float(q, k2, a2), fma_float(q, k3, a3)
-        q = load_floats(qf[r + 1], at)
-        a4, a5, a6, a7 = fma_float(q, k0, a4), fma_float(q, k1, a5), fma_float(q, k2, a6), fma_float(q, k3, a7)
-        q = load_floats(qf[r + 2], at)
+        q = splat_float(qf[r + 1, dim])
         b0, b1, b2, b3 = fma_float(q, k0, b0), fma_float(q, k1, b1), fma_float(q, k2, b2), fma_float(q, k3, b3)
-        q = load_floats(qf[r + 3], at)
-        b4, b5, b6, b7 = fma_float(q, k0, b4), fma_float(q, k1, b5), fma_float(q, k2, b6), fma_float(q, k3, b7)
-    store_f32x8(lanes, 0, sums8_f32(to_eight(a0), to_eight(a1), to_eight(a2), to_eight(a3), to_eight(a4),
-                                    to_eight(a5), to_eight(a6), to_eight(a7)))
-    store_f32x8(lanes, 8, sums8_f32(to_eight(b0), to_eight(b1), to_eight(b2), to_eight(b3), to_eight(b4),
-                                    to_eight(b5), to_eight(b6), to_eight(b7)))
+        q = splat_float(qf[r + 2, dim])
+        c0, c1, c2, c3 = fma_float(q, k0, c0), fma_float(q, k1, c1), fma_float(q, k2, c2), fma_float(q, k3, c3)
+        q = splat_float(qf[r + 3, dim])
+        d0, d1, d2, d3 = fma_float(q, k0, d0), fma_float(q, k1, d1), fma_float(q, k2, d2), fma_float(q, k3, d3)
+    out = lane_sums[i]
+    _put_four(out, 0, a0, a1, a2, a3)
+    _put_four(out, 4 * WIDTH, b0, b1, b2, b3)
+    _put_four(out, 8 * WIDTH, c0, c1, c2, c3)
+    _put_four(out, 12 * WIDTH, d0, d1, d2, d3)
+
+
+@njit(inline="always", cache=True)
+def _lane_chains_two(qf, kt, r, g0, i, chunks, lane_sums):
+    """``_lane_chains_four`` for two key groups (eight accumulators: AVX2 has 16 registers)."""
+    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = zeros_float()
+    at = g0 * WIDTH
+    for c in range(chunks):
+        dim = WIDTH * c + i
+        key = (i * chunks + c) * KEY_BLOCK + at
+        k0, k1 = load_floats(kt, key), load_floats(kt, key + WIDTH)
+        q = splat_float(qf[r, dim])
+        a0, a1 = fma_float(q, k0, a0), fma_float(q, k1, a1)
+        q = splat_float(qf[r + 1, dim])
+        b0, b1 = fma_float(q, k0, b0), fma_float(q, k1, b1)
+        q = splat_float(qf[r + 2, dim])
+        c0, c1 = fma_float(q, k0, c0), fma_float(q, k1, c1)
+        q = splat_float(qf[r + 3, dim])
+        d0, d1 = fma_float(q, k0, d0), fma_float(q, k1, d1)
+    out = lane_sums[i]
+    put_floats(out, 0, a0)
+    put_floats(out, WIDTH, a1)
+    put_floats(out, 2 * WIDTH, b0)
+    put_floats(out, 3 * WIDTH, b1)
+    put_floats(out, 4 * WIDTH, c0)
+    put_floats(out, 5 * WIDTH, c1)
+    put_floats(out, 6 * WIDTH, d0)
+    put_floats(out, 7 * WIDTH, d1)
+
+
+# key groups (WIDTH keys each) a step of the scores takes: sixteen accumulators where there are
+# 32 registers, eight where there are 16
+SCORE_GROUPS = 4 if WIDTH == 16 else 2
+_lane_chains = _lane_chains_four if SCORE_GROUPS == 4 else _lane_chains_two
+assert KEY_BLOCK % (SCORE_GROUPS * WIDTH) == 0, "a step of the scores stays inside its key block"
+
+
+@njit(inline="always", cache=True)
+def _score_block(qf, kt, r, g0, chunks, lane_sums, scores):
+    """Rows r..r+3 against key groups g0.. (SCORE_GROUPS of WIDTH keys, the keys in lanes, from
+    ``kt``, the block's keys turned: dim-major): the scores into ``scores``, each the same sum,
+    bit for bit, as ``_score_pair_from_cache`` makes it. Each lane's chain of products runs on its
+    own (``_lane_chains``); then the lanes i and i + 8 are added where WIDTH is 16, and the
+    eight results in ``simd.sums8_f32``'s tree: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))."""
+    for i in range(WIDTH):
+        _lane_chains(qf, kt, r, g0, i, chunks, lane_sums)
+    for pair in range(4 * SCORE_GROUPS):
+        at = WIDTH * pair
+        l0, l1, l2, l3 = _folded(lane_sums, 0, at), _folded(lane_sums, 1, at), _folded(lane_sums, 2, at), \
+            _folded(lane_sums, 3, at)
+        l4, l5, l6, l7 = _folded(lane_sums, 4, at), _folded(lane_sums, 5, at), _folded(lane_sums, 6, at), \
+            _folded(lane_sums, 7, at)
+        total = add_float(add_float(add_float(l0, l1), add_float(l2, l3)),
+                          add_float(add_float(l4, l5), add_float(l6, l7)))
+        row, group = pair // SCORE_GROUPS, pair % SCORE_GROUPS
+        put_floats(scores, (r + row) * KEY_BLOCK + (g0 + group) * WIDTH, total)
+
+
+@njit(inline="always", cache=True)
+def _folded(lane_sums, i, at):
+    """Lane i of the sums, with lane i + 8's added where WIDTH is 16 (``to_eight``)."""
+    if WIDTH == 16:
+        return add_float(load_floats(lane_sums[i], at), load_floats(lane_sums[i + 8], at))
+    return load_floats(lane_sums[i], at)
 
 
 @njit(inline="always", cache=True)
@@ -152,9 +227,9 @@ def _cache_lanes(rows, kv, start, count, j, at, width):
 
 
 @njit(inline="always", cache=True)
-def _score_pair_from_cache(qf, keys, kv, start, count, r, j, chunks, lanes):
+def _score_pair_from_cache(qf, keys, kv, start, count, r, j, chunks, scores):
     """Rows r, r+1 against keys j..j+7 read from the cache where they are: sixteen scores into
-    ``lanes`` (row-major), each as ``_score_quad`` makes it. For a task of few rows (a decode
+    ``scores[r..r+1, j..j+7]``, each as ``_score_quad`` makes it. For a task of few rows (a decode
     step), widening a block into scratch first would cost more than its scores."""
     head_dim = keys.shape[2]
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zeros_float()
@@ -178,10 +253,11 @@ def _score_pair_from_cache(qf, keys, kv, start, count, r, j, chunks, lanes):
         a6, b6 = fma_float(q0, k, a6), fma_float(q1, k, b6)
         k = _cache_lanes(keys, kv, start, count, j + 7, at, head_dim)
         a7, b7 = fma_float(q0, k, a7), fma_float(q1, k, b7)
-    store_f32x8(lanes, 0, sums8_f32(to_eight(a0), to_eight(a1), to_eight(a2), to_eight(a3), to_eight(a4),
-                                    to_eight(a5), to_eight(a6), to_eight(a7)))
-    store_f32x8(lanes, 8, sums8_f32(to_eight(b0), to_eight(b1), to_eight(b2), to_eight(b3), to_eight(b4),
-                                    to_eight(b5), to_eight(b6), to_eight(b7)))
+    at = r * KEY_BLOCK + j
+    store_f32x8(scores, at, sums8_f32(to_eight(a0), to_eight(a1), to_eight(a2), to_eight(a3), to_eight(a4),
+                                      to_eight(a5), to_eight(a6), to_eight(a7)))
+    store_f32x8(scores, at + KEY_BLOCK, sums8_f32(to_eight(b0), to_eight(b1), to_eight(b2), to_eight(b3),
+                                                  to_eight(b4), to_eight(b5), to_eight(b6), to_eight(b7)))
 
 
 @njit(inline="always", cache=True)
@@ -350,10 +426,12 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
         real = min(r, rows - 1)
         position[r] = first_pos + t0 + real // group
         _widen_row(q[t0 + real // group, kv * group + real % group], head_dim, qf, r, d_chunks)
-    kf = np.empty((0 if direct else KEY_BLOCK, WIDTH * d_chunks), dtype=np.float32)
+    kt = np.empty((0 if direct else WIDTH * d_chunks, KEY_BLOCK), dtype=np.float32)
+    lane_sums = np.empty((WIDTH, 4 * SCORE_GROUPS, WIDTH), dtype=np.float32)
+    key_rows = keys[kv]
+    row_stride = key_rows.strides[0] // key_rows.itemsize
     vf = np.empty((0 if direct else KEY_BLOCK, VALUE_STEP * WIDTH * v_steps), dtype=np.float32)
     scores = np.empty((padded, KEY_BLOCK), dtype=np.float32)
-    lanes = np.empty(16, dtype=np.float32)
     acc = np.zeros((padded, VALUE_STEP * WIDTH * v_steps), dtype=np.float32)
     running_max = np.full(padded, -np.inf, dtype=np.float32)
     running_sum = np.zeros(padded, dtype=np.float32)
@@ -361,10 +439,13 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
     last = first_pos + t1 - 1
     for start in range(lowest - lowest % KEY_BLOCK, last + 1, KEY_BLOCK):
         count = min(KEY_BLOCK, n_keys - start)
+        for g in range(0 if direct else KEY_BLOCK // WIDTH):
+            for c in range(d_chunks):
+                put_transposed(kt, c * KEY_BLOCK + WIDTH * g, d_chunks * KEY_BLOCK, key_rows,
+                               (start + WIDTH * g) * row_stride + WIDTH * c, row_stride, count - WIDTH * g,
+                               head_dim - WIDTH * c)
         for j in range(0 if direct else KEY_BLOCK):
             present = j < count
-            _widen_row(keys[kv, start + j] if present else keys[kv, start], head_dim if present else 0, kf, j,
-                       d_chunks)
             _widen_row(values[kv, start + j] if present else values[kv, start], value_dim if present else 0,
                        vf, j, VALUE_STEP * v_steps)
         # rows are in token order and a span's ends grow with the position: the keys a
@@ -376,16 +457,12 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
                 continue
             if direct:
                 for j in range(lo - lo % 8 - start, hi - start, 8):
-                    _score_pair_from_cache(qf, keys, kv, start, count, r, j, d_chunks, lanes)
-                    for i in range(8):
-                        scores[r, j + i] = lanes[i]
-                        scores[r + 1, j + i] = lanes[8 + i]
+                    _score_pair_from_cache(qf, keys, kv, start, count, r, j, d_chunks, scores)
                 continue
-            for j in range(lo - lo % 4 - start, hi - start, 4):
-                _score_quad(qf, kf, r, j, d_chunks, lanes)
-                for t in range(TILE):
-                    for i in range(4):
-                        scores[r + t, j + i] = lanes[4 * t + i]
+            first_group = (lo - start) // WIDTH
+            for g0 in range(first_group - first_group % SCORE_GROUPS, (hi - start + WIDTH - 1) // WIDTH,
+                            SCORE_GROUPS):
+                _score_block(qf, kt, r, g0, d_chunks, lane_sums, scores)
         for r in range(padded):
             lo, hi = key_span(start, position[r], window)
             if lo < hi:

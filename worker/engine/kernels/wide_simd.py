@@ -375,6 +375,57 @@ def load_widened(typingctx, array, element_offset, count):
 
 
 @intrinsic
+def put_transposed(typingctx, out, out_at, out_stride, rows, rows_at, rows_stride, count, width):
+    """A WIDTH × WIDTH block turned: row n of ``rows`` (float32, or f16 bits) from element
+    ``rows_at + n · rows_stride``, its values l < ``width`` as floats, goes to ``out`` (float32)
+    at element ``out_at + l · out_stride + n``. Rows n >= ``count`` and values l >= ``width``
+    read as 0. The turn is log2(WIDTH) rounds of two-vector shuffles, each swapping the
+    off-diagonal blocks of every pair of rows h apart (h = WIDTH/2, ..., 1)."""
+    half = rows.dtype == types.uint16
+
+    def codegen(context, builder, sig, args):
+        source = cgutils.create_struct_proxy(sig.args[3])(context, builder, value=args[3]).data
+        target = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0]).data
+        lane_index = ir.VectorType(_I32, WIDTH)
+        element = ir.IntType(16) if half else ir.FloatType()
+        vector = ir.VectorType(element, WIDTH)
+
+        def narrow(value):
+            return builder.trunc(value, _I32) if value.type.width > 32 else value
+        count, width = narrow(args[6]), narrow(args[7])
+        vectors = []
+        for n in range(WIDTH):
+            at = builder.add(args[4], builder.mul(args[5], ir.Constant(args[5].type, n)))
+            present = builder.icmp_signed(">", count, ir.Constant(_I32, n))
+            mask = builder.icmp_signed("<", ir.Constant(lane_index, list(range(WIDTH))),
+                                       _splat(builder, builder.select(present, width, ir.Constant(_I32, 0)),
+                                              lane_index))
+            pointer = builder.bitcast(builder.gep(source, [at]), vector.as_pointer())
+            loaded = call_intrinsic(builder, f"llvm.masked.load.v{WIDTH}{'i16' if half else 'f32'}.p0", vector,
+                                    [pointer, ir.Constant(_I32, 2 if half else 4), mask, ir.Constant(vector, None)])
+            if half:
+                loaded = builder.fpext(builder.bitcast(loaded, ir.VectorType(ir.HalfType(), WIDTH)),
+                                       Floats.llvm_type())
+            vectors.append(loaded)
+        h = WIDTH // 2
+        while h:
+            first = [lane if not lane & h else WIDTH + (lane ^ h) for lane in range(WIDTH)]
+            second = [lane ^ h if not lane & h else WIDTH + lane for lane in range(WIDTH)]
+            for a in range(WIDTH):
+                if not a & h:
+                    b = a + h
+                    vectors[a], vectors[b] = (
+                        builder.shuffle_vector(vectors[a], vectors[b], ir.Constant(lane_index, first)),
+                        builder.shuffle_vector(vectors[a], vectors[b], ir.Constant(lane_index, second)))
+            h //= 2
+        for lane, value in enumerate(vectors):
+            at = builder.add(args[1], builder.mul(args[2], ir.Constant(args[2].type, lane)))
+            builder.store(value, builder.bitcast(builder.gep(target, [at]), Floats.llvm_type().as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.none(out, out_at, out_stride, rows, rows_at, rows_stride, count, width), codegen
+
+
+@intrinsic
 def load_widened_all(typingctx, array, element_offset):
     """``load_widened`` of a whole WIDTH values (a plain load, no mask)."""
     half = array.dtype == types.uint16
