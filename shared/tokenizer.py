@@ -24,6 +24,7 @@ rebuild the same tokenizer without the model file.
 from __future__ import annotations
 
 import codecs
+import hashlib
 import heapq
 import logging
 import re
@@ -33,6 +34,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from itertools import accumulate, repeat
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -364,7 +366,32 @@ def _stored_merges_bpe(vocab: dict[str, int], lines: list[str], **options: Any) 
 
 def _check_merges(spec: TokenizerSpec) -> None:
     """Every merge is "left right" with left, right and their union in the vocabulary (what the
-    encoder, built on first use, would refuse later)."""
+    encoder, built on first use, would refuse later). A vocabulary that passed once leaves a mark
+    named by a digest of its pieces and merges (``checked_mark``): a later start of the same file
+    skips the half second of checking 150k merges."""
+    mark = checked_mark(spec)
+    if mark.exists():
+        return
+    _merges_name_pieces(spec)
+    try:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.touch()
+    except OSError:  # a cache one cannot write: check again next time
+        pass
+
+
+def checked_mark(spec: TokenizerSpec) -> Path:
+    """The file marking that a vocabulary's merges passed ``_check_merges``, under lmserve's
+    cache: named by a digest of the pieces, their ends, and the merges with their lengths."""
+    from shared.default_model import cache_dir  # here: the gateway never checks merges
+    digest = hashlib.sha256(spec.pieces)
+    digest.update(spec.piece_ends)
+    digest.update(array("Q", map(len, spec.merges)).tobytes())
+    digest.update("".join(spec.merges).encode("utf-8", "surrogatepass"))
+    return cache_dir() / "vocabularies" / f"{digest.hexdigest()[:32]}.merges-checked"
+
+
+def _merges_name_pieces(spec: TokenizerSpec) -> None:
     pieces = set(spec.tokens())
     pairs = _merge_pairs(spec.merges)
     lefts, rights = [left for left, _ in pairs], [right for _, right in pairs]

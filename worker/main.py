@@ -182,8 +182,6 @@ def main(argv: list[str] | None = None) -> int:
                  engine.architecture, engine.model.weight_bytes / 1e6, time.perf_counter() - started, threads)
         for name, qtype in engine.model.dense_fallbacks.items():
             log.warning("%s (%s) has no compiled kernel here: held as float32", name, qtype)
-        log.info("running each kernel once before serving")
-        started = time.perf_counter()
 
         def compiling(jobs: list[str]) -> None:
             what = describe(jobs)
@@ -195,10 +193,21 @@ def main(argv: list[str] | None = None) -> int:
             log.info("one stream's block steps compiled in %.1f s after the start: one call a layer from now on",
                      seconds)
 
-        engine.warm_up(on_compile=compiling, later=compiled_later)
-        give_back_freed_memory()  # what loading and compiling freed
-        log.info("kernels ready in %.1f s (a first start on this CPU compiles them; later starts read "
-                 "numba's disk cache)", time.perf_counter() - started)
+        def warm_up() -> None:
+            log.info("running each kernel once before serving")
+            started = time.perf_counter()
+            engine.warm_up(on_compile=compiling, later=compiled_later)
+            give_back_freed_memory()  # what loading and compiling freed
+            log.info("kernels ready in %.1f s (a first start on this CPU compiles them; later starts read "
+                     "numba's disk cache)", time.perf_counter() - started)
+
+        # A first start compiles for a minute or more: it warms up before it answers anyone. A
+        # later one only loads the compiled kernels, under a second: it answers at once, and the
+        # engine thread warms up while gateways take the card and build their view of the model
+        # (a second of the gateway's own), requests waiting in the queue meanwhile.
+        warm_first = engine.compiles_first()
+        if warm_first:
+            warm_up()
         scripted = ScriptedReplies.load(args.scripted_replies, engine.tokenizer) \
             if args.scripted_replies else None
         if scripted is not None:
@@ -242,9 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         status.ready(engine.model_id, args.worker)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     try:
-        server.serve_forever()
+        server.serve_forever(before=None if warm_first else warm_up)
     except KeyboardInterrupt:
         pass
+    except LmserveError as exc:  # the warm-up's, on the engine thread
+        print(f"lmserve worker: {exc.message}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -53,6 +53,21 @@ def test_packing_keeps_every_weight_and_the_file_size(qtype):
     np.testing.assert_array_equal(panels.dequantize_rows(qtype, packed, ids), dense[ids])
 
 
+def test_q4_k_panels_moved_as_words_are_those_made_through_levels():
+    """Q4_K's nibbles go into their vectors as 32-bit words (``_pack_panels``), byte for byte
+    what the path every type takes (levels, group vectors, nibbles packed again) makes, on
+    random bytes: every nibble of every block, outputs that leave the last panel part-empty."""
+    rng = np.random.default_rng(4)
+    for n_out, n_blocks in ((3 * PANEL - 5, 3), (1, 1), (2 * PANEL, 7)):
+        rows = rng.integers(0, 256, (n_out, n_blocks * 144), dtype=np.uint8)
+        by_words = panels.pack(Q.Q4_K, rows)
+        padded = np.zeros((panels.panel_count(n_out) * PANEL, n_blocks * 144), dtype=np.uint8)
+        padded[:n_out] = rows
+        by_levels = np.zeros_like(by_words).view(np.uint8).reshape(by_words.shape[0], n_blocks, -1)
+        panels.pack_by_levels(Q.Q4_K, padded.reshape(-1, n_blocks, 144), by_levels)
+        np.testing.assert_array_equal(by_words.view(np.uint8).reshape(by_levels.shape), by_levels)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_gemm_matches_the_dequantized_product(qtype):
     raw, n_in = _weight(qtype, 37, 11, 10 + int(qtype))  # 37 outputs: the last panel part-empty

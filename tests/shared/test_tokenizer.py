@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from shared import tokenizer as tokenizer_module
 from shared.errors import TokenizerError
 from shared.tokenizer import PRE_NAMES, TOKEN_CONTROL, TOKEN_USER_DEFINED, PieceIndex, Tokenizer
 from shared.tokenizer_spec import PackedStrings, TokenizerSpec
@@ -312,6 +313,35 @@ def test_a_gateway_building_its_encoder_refuses_inconsistent_merges_too(smollm_m
     for encoder in (False, True):
         with pytest.raises(TokenizerError, match="merges are inconsistent"):
             Tokenizer.from_spec(spec, encoder=encoder)
+
+
+def test_merges_that_passed_once_leave_a_mark_that_only_the_same_vocabulary_finds(smollm_metadata, tmp_path,
+                                                                                   monkeypatch):
+    """A worker's later start skips the merges' check: the first leaves a mark named by the
+    pieces and merges, the second finds it and checks nothing; a vocabulary whose merges differ
+    by one line (or by where a line breaks), or that fails, finds none and leaves none."""
+    monkeypatch.setenv("LMSERVE_CACHE", str(tmp_path))
+    spec = Tokenizer.from_gguf_metadata(smollm_metadata).to_spec()
+    mark = tokenizer_module.checked_mark(spec)
+    assert mark.exists() and mark.parent == tmp_path / "vocabularies"
+
+    def no_check(_spec):
+        raise AssertionError("checked again")
+    monkeypatch.setattr(tokenizer_module, "_merges_name_pieces", no_check)
+    Tokenizer.from_spec(spec)  # the mark spares the check
+    moved = dataclasses.replace(spec, merges=[spec.merges[0] + spec.merges[1], *spec.merges[2:]])
+    fewer = dataclasses.replace(spec, merges=spec.merges[:-1])
+    assert len({mark, tokenizer_module.checked_mark(moved), tokenizer_module.checked_mark(fewer)}) == 3
+    with pytest.raises(AssertionError, match="checked again"):
+        Tokenizer.from_spec(fewer)
+    monkeypatch.undo()
+    monkeypatch.setenv("LMSERVE_CACHE", str(tmp_path))
+    broken = dataclasses.replace(spec, merges=[*spec.merges, "notatoken Ġt"])
+    with pytest.raises(TokenizerError, match="merges are inconsistent"):
+        Tokenizer.from_spec(broken)
+    assert not tokenizer_module.checked_mark(broken).exists()
+    Tokenizer.from_spec(fewer)
+    assert tokenizer_module.checked_mark(fewer).exists()
 
 
 def test_add_bos_without_bos_id_is_refused(smollm_metadata):

@@ -58,7 +58,7 @@ def _prompt(client: WorkerClient, question: str, history: list[dict] | None = No
     return tokenizer.encode(text, add_special=False)
 
 
-async def _collect(client: WorkerClient, request: Generate) -> tuple[list[int], Finished]:
+async def collect(client: WorkerClient, request: Generate) -> tuple[list[int], Finished]:
     ids: list[int] = []
     async for message in client.generate(request):
         if isinstance(message, Tokens):
@@ -144,7 +144,7 @@ def test_greedy_answer_is_paris(batch_worker):
     async def go():
         client = await _client(batch_worker.endpoint)
         try:
-            ids, finished = await _collect(client, _greedy(client, _prompt(client, QUESTIONS[0]), 32))
+            ids, finished = await collect(client, _greedy(client, _prompt(client, QUESTIONS[0]), 32))
         finally:
             await client.close()
         return Tokenizer.from_spec(client.card.tokenizer).decode(ids, skip_special=True), finished
@@ -159,8 +159,8 @@ def test_batched_streams_match_their_solo_texts(batch_worker, capsys):
         client = await _client(batch_worker.endpoint)
         try:
             prompts = [_prompt(client, q) for q in QUESTIONS]
-            solo = [(await _collect(client, _greedy(client, p, 40)))[0] for p in prompts]
-            together = await asyncio.gather(*(_collect(client, _greedy(client, p, 40)) for p in prompts))
+            solo = [(await collect(client, _greedy(client, p, 40)))[0] for p in prompts]
+            together = await asyncio.gather(*(collect(client, _greedy(client, p, 40)) for p in prompts))
         finally:
             await client.close()
         return solo, [ids for ids, _ in together]
@@ -182,7 +182,7 @@ def test_abort_mid_decode_leaves_the_others_intact(batch_worker):
         client = await _client(batch_worker.endpoint)
         try:
             prompts = [_prompt(client, q) for q in QUESTIONS[:3]]
-            solo = [(await _collect(client, _greedy(client, p, 30)))[0] for p in prompts]
+            solo = [(await collect(client, _greedy(client, p, 30)))[0] for p in prompts]
             victim = Generate(client.new_request_id(), prompts[0], SamplingParams(temperature=0.7, seed=1), 400)
 
             async def abandon() -> int:
@@ -193,7 +193,7 @@ def test_abort_mid_decode_leaves_the_others_intact(batch_worker):
                         break  # leaving the loop sends ABORT
                 return seen
 
-            results = await asyncio.gather(abandon(), *(_collect(client, _greedy(client, p, 30)) for p in prompts[1:]))
+            results = await asyncio.gather(abandon(), *(collect(client, _greedy(client, p, 30)) for p in prompts[1:]))
             for _ in range(50):  # the load arrives with the worker's next heartbeat
                 await asyncio.sleep(0.2)
                 if client.worker_load == (0, 0):
@@ -217,11 +217,11 @@ def test_extended_conversation_reports_the_first_prompt_as_cached(batch_worker):
             tokenizer = Tokenizer.from_spec(client.card.tokenizer)
             question = "Tell me one fact about the Moon."
             first_prompt = _prompt(client, question)
-            ids, first = await _collect(client, _greedy(client, first_prompt, 20, cache_hint="conv-1"))
+            ids, first = await collect(client, _greedy(client, first_prompt, 20, cache_hint="conv-1"))
             history = [{"role": "user", "content": question},
                        {"role": "assistant", "content": tokenizer.decode(ids, skip_special=True)}]
             second_prompt = _prompt(client, "And one about Mars?", history)
-            _, second = await _collect(client, _greedy(client, second_prompt, 8, cache_hint="conv-1"))
+            _, second = await collect(client, _greedy(client, second_prompt, 8, cache_hint="conv-1"))
         finally:
             await client.close()
         return first_prompt, first, second
@@ -251,7 +251,7 @@ def test_queue_overflow_gives_busy(sequential_worker):
             load = client.worker_load
             assert load == (1, 1), f"the queue never filled: (waiting, running) {load}"
             with pytest.raises(BusyError) as busy:
-                await _collect(client, _greedy(client, prompt, 4))
+                await collect(client, _greedy(client, prompt, 4))
             await running.aclose()  # abort the long one; the queued one then runs
             queued_finished = await queued_task
         finally:
@@ -285,13 +285,13 @@ def test_prompt_beyond_the_context_is_rejected_with_the_numbers(sequential_worke
         client = await _client(sequential_worker.endpoint)
         try:
             with pytest.raises(InvalidRequestError) as too_long:
-                await _collect(client, _greedy(client, [42] * 600))
+                await collect(client, _greedy(client, [42] * 600))
             with pytest.raises(InvalidRequestError) as bad_id:
-                await _collect(client, _greedy(client, [1, 10**7]))
+                await collect(client, _greedy(client, [1, 10**7]))
             with pytest.raises(InvalidRequestError) as bad_param:
-                await _collect(client, UncheckedGenerate(client.new_request_id(), [1, 2], max_tokens=4,
+                await collect(client, UncheckedGenerate(client.new_request_id(), [1, 2], max_tokens=4,
                                                          raw_sampling={"temperature": -1}))
-            ids, ok = await _collect(client, _greedy(client, _prompt(client, "Hi"), 4))
+            ids, ok = await collect(client, _greedy(client, _prompt(client, "Hi"), 4))
         finally:
             await client.close()
         return too_long.value, bad_id.value, bad_param.value, ok
@@ -306,7 +306,7 @@ def test_context_budget_ends_generation(sequential_worker):
     async def go():
         client = await _client(sequential_worker.endpoint)
         try:
-            return await _collect(client, Generate(client.new_request_id(), [42] * 500,
+            return await collect(client, Generate(client.new_request_id(), [42] * 500,
                                                    SamplingParams(temperature=1.0, seed=0), 100, stop_ids=[]))
         finally:
             await client.close()
@@ -372,10 +372,10 @@ def test_a_dead_worker_fails_in_flight_requests_and_a_new_one_is_found(start_wor
             async for _ in stream:
                 pass
         with pytest.raises(WorkerUnavailableError):
-            await _collect(client, _greedy(client, [1, 2], 2))
+            await collect(client, _greedy(client, [1, 2], 2))
         worker.start()  # same endpoint: the client must find it by itself
         await client.wait_ready(120)
-        ids, finished = await _collect(client, _greedy(client, [1, 2, 3], 3))
+        ids, finished = await collect(client, _greedy(client, [1, 2, 3], 3))
         await client.close()
         return first_instance, client.card.instance, finished
     first, second, finished = run(go())
@@ -465,7 +465,7 @@ def test_a_restarted_worker_is_noticed_and_greeted_at_once(start_worker, default
         worker.start()
         await asyncio.get_running_loop().run_in_executor(None, worker.wait_ready)
         await client.wait_ready(20)  # far less than the 60 s heartbeat
-        ids, finished = await _collect(client, _greedy(client, [1, 2, 3], 3))
+        ids, finished = await collect(client, _greedy(client, [1, 2, 3], 3))
         await client.close()
         return gone, first_instance, client.card.instance, finished
     gone, first, second, finished = run(go())

@@ -73,6 +73,14 @@ class Engine:
     def new_cache(self, max_tokens: int) -> KVCache:
         return self.model.new_cache(max_tokens)
 
+    def compiles_first(self) -> bool:
+        """Whether ``warm_up`` compiles (a first start on this CPU: kernels its helpers compile,
+        or block steps not yet compiled for this model), rather than loading what numba keeps."""
+        if self.compiling is None:
+            return False
+        return bool(self.compiling.jobs) or pending(steps_job(self.architecture, self.model.held_weights(),
+                                                              self.model.kv_type))
+
     def warm_up(self, on_compile: Callable[[list[str]], None] | None = None,
                 later: Callable[[float], None] | None = None) -> None:
         """Run each path of a forward pass once on scratch caches: a chunk of one sequence, a

@@ -143,6 +143,24 @@ def _pack_nibbles(groups: np.ndarray) -> np.ndarray:
     return (low | (high << 4)).reshape(*groups.shape[:-2], 4 * LANES)
 
 
+def _q4_k_nibble_vectors(blocks: np.ndarray) -> np.ndarray:
+    """Q4_K file blocks [panels * PANEL, blocks, 144] -> their nibble vectors [panels, blocks,
+    8 units · 4 · LANES] straight from the file's nibbles, as 32-bit words: what ``_pack_nibbles``
+    makes of ``_group_vectors(levels)``, without spelling out the levels. In the file, byte l
+    of the i-th 32 holds weight l of sub-block 2i (low nibble) and of 2i + 1 (high); a vector h
+    of a unit pairs weight 8h + b (low) with 8h + 4 + b (high) in byte b of each output's word:
+    the nibbles of the file's words 2h and 2h + 1."""
+    n, n_blocks, _ = blocks.shape
+    words = blocks[..., 16:144].view(np.uint32).reshape(n, n_blocks, 4, 4, 2)  # 32 bytes, h, word of h
+    first, second = words[..., 0], words[..., 1]
+    low = np.uint32(0x0F0F0F0F)
+    units = np.stack([(first & low) | ((second & low) << 4),  # sub-block 2i
+                      ((first >> 4) & low) | (second & ~low)], axis=3)  # sub-block 2i + 1
+    per_panel = units.reshape(n // PANEL, PANEL, n_blocks, 8, 4)
+    moved = np.ascontiguousarray(per_panel.transpose(0, 2, 3, 4, 1))
+    return moved.view(np.uint8).reshape(n // PANEL, n_blocks, -1)
+
+
 def _pack_crumbs(groups: np.ndarray, shift: int) -> np.ndarray:
     """[..., 8, LANES] levels -> [..., 2 * LANES]: bits 2k of vector c are (level >> shift) & 3 of
     group 4c + k."""
@@ -169,9 +187,19 @@ def _pack_panels(qtype, rows: np.ndarray, dest: np.ndarray) -> None:
     [panels, blocks, PANEL * block bytes]."""
     weights, size = FORMATS[qtype]
     blocks = rows.reshape(rows.shape[0], -1, size)
+    if qtype == Q.Q4_K:  # d and dmin, the scales' three words, the nibbles moved as words
+        parts = [_lanes(blocks[..., :4], 2), _lanes(blocks[..., 4:16], 4), _q4_k_nibble_vectors(blocks)]
+        _write_parts(parts, dest, size)
+    else:
+        pack_by_levels(qtype, blocks, dest)
+
+
+def pack_by_levels(qtype, blocks: np.ndarray, dest: np.ndarray) -> None:
+    """``_pack_panels`` of file blocks [panels * PANEL, blocks, bytes] through their levels, for
+    every type (Q4_K's too, which ``_pack_panels`` moves as words instead, to the same bytes)."""
+    size = blocks.shape[-1]
     levels, factors = levels_and_factors(qtype, blocks)
     groups = _group_vectors(levels)  # [panels, blocks, units, 8, LANES]
-    panels, n_blocks = groups.shape[:2]
     parts = [_lanes(factors["d"], 2)]  # d (and a minimum or dmin after it)
     if qtype == Q.Q6_K:
         parts += [_lanes(factors["scales"], 1), _pack_nibbles(groups), _pack_crumbs(groups, 4)]
@@ -188,6 +216,12 @@ def _pack_panels(qtype, rows: np.ndarray, dest: np.ndarray) -> None:
         if qtype in (Q.Q5_0, Q.Q5_1):
             parts.append(_pack_bits(groups, 4))
         parts.append(_pack_nibbles(groups))
+    _write_parts(parts, dest, size)
+
+
+def _write_parts(parts: list[np.ndarray], dest: np.ndarray, size: int) -> None:
+    """The fields of the panels' blocks side by side in ``dest`` [panels, blocks, PANEL · size]."""
+    panels, n_blocks = dest.shape[:2]
     at = 0
     for part in parts:
         part = part.reshape(panels, n_blocks, -1)
