@@ -76,10 +76,14 @@ class Engine:
     def compiles_first(self) -> bool:
         """Whether ``warm_up`` compiles (a first start on this CPU: kernels its helpers compile,
         or block steps not yet compiled for this model), rather than loading what numba keeps."""
+        return self.compiling is not None and (bool(self.compiling.jobs) or bool(self._pending_steps()))
+
+    def _pending_steps(self) -> list[str]:
+        """The block steps' job where a first start may lack it and it is not yet marked."""
         if self.compiling is None:
-            return False
-        return bool(self.compiling.jobs) or pending(steps_job(self.architecture, self.model.held_weights(),
-                                                              self.model.kv_type))
+            return []
+        job = steps_job(self.architecture, self.model.held_weights(), self.model.kv_type)
+        return [job] if pending(job) else []
 
     def warm_up(self, on_compile: Callable[[list[str]], None] | None = None,
                 later: Callable[[float], None] | None = None) -> None:
@@ -102,9 +106,7 @@ class Engine:
         Python between four calls a layer. The four calls serve meanwhile, with the same numbers;
         the thread then switches to the one and calls ``later`` with the seconds it took."""
         ahead = self.compiling if self.compiling is not None and self.compiling.jobs else None
-        steps = [] if self.compiling is None else [steps_job(self.architecture, self.model.held_weights(),
-                                                             self.model.kv_type)]
-        steps = [job for job in steps if pending(job)]
+        steps = self._pending_steps()
         if (ahead is not None or steps) and on_compile is not None:
             on_compile((ahead.jobs if ahead is not None else []) + steps)
         self.compiling = None

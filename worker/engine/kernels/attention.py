@@ -229,7 +229,7 @@ def _cache_lanes(rows, kv, start, count, j, at, width):
 @njit(inline="always", cache=True)
 def _score_pair_from_cache(qf, keys, kv, start, count, r, j, chunks, scores):
     """Rows r, r+1 against keys j..j+7 read from the cache where they are: sixteen scores into
-    ``scores[r..r+1, j..j+7]``, each as ``_score_quad`` makes it. For a task of few rows (a decode
+    ``scores[r..r+1, j..j+7]``, each the sum the module's docstring defines. For a task of few rows (a decode
     step), widening a block into scratch first would cost more than its scores."""
     head_dim = keys.shape[2]
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zeros_float()
@@ -427,7 +427,7 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
         position[r] = first_pos + t0 + real // group
         _widen_row(q[t0 + real // group, kv * group + real % group], head_dim, qf, r, d_chunks)
     kt = np.empty((0 if direct else WIDTH * d_chunks, KEY_BLOCK), dtype=np.float32)
-    lane_sums = np.empty((WIDTH, 4 * SCORE_GROUPS, WIDTH), dtype=np.float32)
+    lane_sums = np.empty((0 if direct else WIDTH, 4 * SCORE_GROUPS, WIDTH), dtype=np.float32)
     key_rows = keys[kv]
     row_stride = key_rows.strides[0] // key_rows.itemsize
     vf = np.empty((0 if direct else KEY_BLOCK, VALUE_STEP * WIDTH * v_steps), dtype=np.float32)
