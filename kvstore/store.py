@@ -54,12 +54,21 @@ def check_values(arrays: list[np.ndarray], what: str) -> None:
 class KVChunk:
     keys: np.ndarray  # [n_layer, K, chunk, d] float16 or float32, as the cache holds them
     values: np.ndarray  # [n_layer, K, chunk, dv] of the same type
+    buffer: np.ndarray | None = None  # the memory both are views of, where the writer may reuse it
 
-    def encode(self) -> tuple[bytes, bytes]:
-        """(data, metadata) records."""
+    def encode(self) -> tuple[memoryview, bytes]:
+        """(data, metadata) records. The data is the keys' bytes then the values': a view of the
+        arrays' own memory where the values follow the keys in one buffer (``KVCache.export``),
+        else a joined copy. A chunk is tens of MiB; copying it into bytes would hold the
+        interpreter lock for as long as the copies take."""
         keys = np.ascontiguousarray(self.keys)
         values = np.ascontiguousarray(self.values, dtype=keys.dtype)
-        data = keys.tobytes() + values.tobytes()
+        if keys.base is not None and keys.base is values.base and keys.ctypes.data + keys.nbytes == values.ctypes.data:
+            base = keys.base
+            offset = keys.ctypes.data - base.ctypes.data
+            data = memoryview(base).cast("B")[offset:offset + keys.nbytes + values.nbytes]
+        else:
+            data = memoryview(np.concatenate([keys.ravel(), values.ravel()])).cast("B")
         meta = msgpack.packb({"k": list(keys.shape), "v": list(values.shape), "dtype": keys.dtype.name,
                               "bytes": len(data)})
         return data, meta

@@ -1,8 +1,9 @@
 """Spill resident KV to the kvstore and restore it: the worker's half of KV reuse beyond RAM.
 
 As a prompt is read, and again when its request finishes, the full chunks of its slot that the
-store lacks are copied out (on the engine thread: a memcpy) and written by a background thread
-(off the decode path). Spilling chunk by chunk as they fill keeps the copies waiting for the
+store lacks are copied out (on the engine thread: a memcpy, into the buffer of a chunk written
+already where there is one) and written by a background thread that runs only on a core the
+kernels leave idle (off the decode path, and out of the prefill's way). Spilling chunk by chunk as they fill keeps the copies waiting for the
 writer to a few chunks, where spilling a long prompt at its end held all of it twice. When a
 request arrives, the longest run of consecutive chunks the store holds beyond what its slot
 already has is read back into the slot, and only the rest of the prompt is computed. Any worker
@@ -12,11 +13,13 @@ of the same model (same fingerprint) can restore what another spilled.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from dataclasses import dataclass
 
 import msgpack
+import numpy as np
 
 from kvstore.chunks import chunk_keys
 from kvstore.store import KVChunk, KVStore, StateRecord
@@ -33,6 +36,20 @@ class SpillStats:
     chunks_dropped: int = 0  # the write queue was full
 
 
+def _yield_to_compute() -> None:
+    """Run this thread only on a core nothing else wants (Linux's SCHED_IDLE; elsewhere nothing
+    changes). A chunk's tag and write take some 60 ms of a core; at normal priority they took a
+    core from the kernels' threads mid-step, and every parallel loop waited for the thread
+    that lost it. Here the writer fills the gaps between and around the steps instead."""
+    policy = getattr(os, "SCHED_IDLE", None)
+    if policy is None:
+        return
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))  # 0: the calling thread
+    except OSError:
+        pass
+
+
 class KVSpiller:
     def __init__(self, store: KVStore, fingerprint: str, chunk_tokens: int, max_pending_bytes: int = 256 << 20):
         self.store = store
@@ -41,11 +58,12 @@ class KVSpiller:
         self.max_pending_bytes = max_pending_bytes
         self.stats = SpillStats()
         self._pending_bytes = 0
+        self._spare: list[np.ndarray] = []  # written chunks' buffers, for the next copies
         self._in_flight: set[str] = set()  # queued, not yet written: not queued again
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, KVChunk | StateRecord] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._writer, name="kv-spill", daemon=True)
-        self._thread.start()
+        self.writer = threading.Thread(target=self._writer, name="kv-spill", daemon=True)
+        self.writer.start()
 
     def keys_for(self, tokens: list[int], namespace: str = "") -> list[str]:
         # a cartridge's pseudo-ids lead the tokens of a cache behind it, so they key its chunks apart;
@@ -143,8 +161,9 @@ class KVSpiller:
                     break
                 self._pending_bytes += size
                 self._in_flight.add(keys[index])
-            k, v = cache.export(index * self.chunk_tokens, self.chunk_tokens)
-            self._queue.put((keys[index], KVChunk(k, v)))
+            buffer = self._buffer(cache.export_bytes(self.chunk_tokens))
+            k, v = cache.export(index * self.chunk_tokens, self.chunk_tokens, into=buffer)
+            self._queue.put((keys[index], KVChunk(k, v, buffer)))
             queued += 1
         for end in [at for at in cache.snapshots if at <= have * self.chunk_tokens]:
             del cache.snapshots[end]  # their chunks were in the store already
@@ -172,6 +191,17 @@ class KVSpiller:
                 self.spill(slot.cache, slot.namespace)
         self.close()
 
+    SPARE_BUFFERS = 1  # a chunk is written well before the prompt's next one is copied
+
+    def _buffer(self, size: int) -> np.ndarray:
+        """A buffer of ``size`` bytes for a chunk's copy: a written chunk's, or a new one."""
+        with self._lock:
+            while self._spare:
+                buffer = self._spare.pop()
+                if buffer.nbytes == size:
+                    return buffer
+        return np.empty(size, dtype=np.uint8)
+
     def _queue_record(self, key: str, record: StateRecord) -> None:
         """Queue a small record for the writer (not counted against the pending budget)."""
         with self._lock:
@@ -181,6 +211,7 @@ class KVSpiller:
         self._queue.put((key, record))
 
     def _writer(self) -> None:
+        _yield_to_compute()
         while True:
             item = self._queue.get()
             if item is None:
@@ -197,6 +228,8 @@ class KVSpiller:
                 with self._lock:
                     self._pending_bytes -= size
                     self._in_flight.discard(key)
+                    if isinstance(chunk, KVChunk) and chunk.buffer is not None and len(self._spare) < self.SPARE_BUFFERS:
+                        self._spare.append(chunk.buffer)
                 self._queue.task_done()
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -212,4 +245,4 @@ class KVSpiller:
     def close(self) -> None:
         self.flush()
         self._queue.put(None)
-        self._thread.join(5)
+        self.writer.join(5)

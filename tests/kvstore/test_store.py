@@ -61,6 +61,23 @@ def test_metadata_without_data_counts_as_absent(store, tmp_path):
     assert store.present([key]) == 0  # the lying record is gone
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_chunk_encodes_as_its_keys_bytes_then_its_values(dtype):
+    """Whether the values follow the keys in one buffer (a cache's export: stored as a view,
+    no copy) or lie apart (joined), the data is the same bytes."""
+    apart = _chunk(5, dtype)
+    both = np.concatenate([apart.keys.ravel(), apart.values.ravel()])
+    joined = KVChunk(both[:apart.keys.size].reshape(K_SHAPE), both[apart.keys.size:].reshape(V_SHAPE), both)
+    expected = apart.keys.tobytes() + apart.values.tobytes()
+    for chunk in (apart, joined):
+        data, meta = chunk.encode()
+        assert bytes(data) == expected and len(data) == len(expected)
+        again = KVChunk.decode(data, meta, K_SHAPE, V_SHAPE, dtype)
+        np.testing.assert_array_equal(again.keys, apart.keys)
+        np.testing.assert_array_equal(again.values, apart.values)
+    assert joined.encode()[0].obj is both  # the buffer itself, not a copy
+
+
 def test_wrong_geometry_or_truncated_data_is_refused():
     data, meta = _chunk(3).encode()
     with pytest.raises(ValueError, match="expected"):

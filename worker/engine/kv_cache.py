@@ -264,19 +264,36 @@ class KVCache:
         return ((sum(k * d for k, d, _ in self.geometry) * count,),
                 (sum(k * dv for k, _, dv in self.geometry) * count,))
 
-    def export(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    def export(self, start: int, count: int, into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Copies of positions [start, start+count) of every layer, in the cache's dtype, in
-        the shapes of ``chunk_shapes``."""
+        the shapes of ``chunk_shapes``: the keys and then the values in one buffer, so a writer
+        can store both without joining them (``KVChunk.encode``). The buffer is ``into`` (bytes,
+        ``export_bytes(count)`` of them) where one is given: a fresh one of tens of MiB costs as
+        long in page faults as the copy itself."""
         end = start + count
         if end > self.length:
             raise ValueError(f"positions up to {end} asked for, {self.length} held")
         if start < self.released:
             raise ValueError(f"positions from {start} asked for; the sliding layers hold them from {self.released}")
+        k_shape, v_shape = self.chunk_shapes(count)
+        k_size = int(np.prod(k_shape))
+        dtype = self.keys[0].dtype
+        if into is None:
+            both = np.empty(k_size + int(np.prod(v_shape)), dtype=dtype)
+        else:
+            both = into[:self.export_bytes(count)].view(dtype)
+        keys, values = both[:k_size].reshape(k_shape), both[k_size:].reshape(v_shape)
         if self.uniform:
-            return (np.stack([k[:, start:end] for k in self.keys]),
-                    np.stack([v[:, start:end] for v in self.values]))
-        return (np.concatenate([k[:, start:end].ravel() for k in self.keys]),
-                np.concatenate([v[:, start:end].ravel() for v in self.values]))
+            np.stack([k[:, start:end] for k in self.keys], out=keys)
+            np.stack([v[:, start:end] for v in self.values], out=values)
+        else:
+            np.concatenate([k[:, start:end].ravel() for k in self.keys], out=keys)
+            np.concatenate([v[:, start:end].ravel() for v in self.values], out=values)
+        return keys, values
+
+    def export_bytes(self, count: int) -> int:
+        """The bytes ``export`` of ``count`` positions fills."""
+        return sum(int(np.prod(shape)) for shape in self.chunk_shapes(count)) * self.keys[0].dtype.itemsize
 
     def restore(self, start: int, keys: np.ndarray, values: np.ndarray, token_ids: list[int]) -> None:
         """Put positions [start, start+n) back from ``export``-shaped arrays; they become valid
