@@ -27,17 +27,17 @@ import codecs
 import hashlib
 import heapq
 import logging
+import operator
 import re
 import threading
 from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
-from itertools import accumulate, repeat
+from itertools import accumulate, islice, repeat
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -185,8 +185,10 @@ def _strings(value: list[str]) -> list[str]:
 
 
 def ids_of_types(types: bytes, kinds: tuple[int, ...]) -> list[int]:
-    """The ids whose token type is one of ``kinds``, in order (one pass in numpy, not in Python)."""
-    return np.flatnonzero(np.isin(np.frombuffer(types, dtype=np.uint8), kinds)).tolist()
+    """The ids whose token type is one of ``kinds``, in order: one scan of the bytes by a
+    pattern, so Python touches only the ids found (this module keeps numpy out of a gateway)."""
+    pattern = re.compile(b"[" + b"".join(re.escape(bytes([kind])) for kind in kinds) + b"]")
+    return [found.start() for found in pattern.finditer(types)]
 
 
 def _optional_id(meta: dict[str, Any], key: str, vocab_size: int) -> int | None:
@@ -269,10 +271,11 @@ class PieceIndex:
         n = spec.vocab_size
         self.id_mask = (1 << max(1, n.bit_length())) - 1
         self.high = ((1 << 64) - 1) ^ self.id_mask
-        # the sort compares plain integers: no key function, no tuple per token
-        hashes = np.fromiter(map(hash, spec.tokens() if tokens is None else tokens), dtype=np.int64,
-                             count=n).view(np.uint64)
-        self.keys = array("Q", np.sort((hashes & np.uint64(self.high)) | np.arange(n, dtype=np.uint64)).tobytes())
+        # the sort compares plain integers: no key function, no tuple per token (a hash's sign
+        # bits and'ed away as an unsigned 64-bit word's would be)
+        high = self.high
+        self.keys = array("Q", sorted([(code & high) | index for index, code in
+                                       enumerate(map(hash, spec.tokens() if tokens is None else tokens))]))
         self.blob, self.ends = spec.pieces, spec.piece_offsets()
 
     def get(self, piece: str) -> int | None:
@@ -763,7 +766,7 @@ class Tokenizer:
             )
         ends = spec.piece_offsets() if len(spec.piece_ends) % 4 == 0 else None
         if ends is None or (ends[-1] if ends else 0) != len(spec.pieces) or \
-                bool((np.diff(np.frombuffer(ends, dtype=np.uint32).astype(np.int64)) < 0).any()):
+                not all(map(operator.le, ends, islice(ends, 1, None))):
             raise TokenizerError("tokenizer spec's pieces do not match their offsets")
         try:
             spec.pieces.decode("utf-8", PIECE_ERRORS)

@@ -88,21 +88,10 @@ class PackedStrings(Sequence[str]):
         return None
 
     def to_list(self) -> list[str]:
-        """Every string: the blob decoded once and cut at the characters where the strings end
-        (a decode per string costs several times as much over a large vocabulary)."""
-        import numpy as np  # here: the light modules that import this one do not load numpy
-
-        try:
-            text = self.blob.decode("utf-8", PIECE_ERRORS)
-        except UnicodeDecodeError:
-            return list(self)  # the string that is not UTF-8 raises as it would alone
-        leading = character_starts(self.blob)
-        if not cut_between_characters(leading, self.ends):
-            return list(self)  # a string ends inside a character: each one decoded alone, as it must be
-        ends = np.frombuffer(self.ends, dtype=np.uint32).astype(np.int64)
-        chars_before = np.concatenate(([0], np.cumsum(leading)))
-        char_ends = chars_before[ends].tolist()
-        return list(map(text.__getitem__, map(slice, [0, *char_ends], char_ends)))
+        """Every string, each decoded from its bytes (measured as fast, on 151k- and 262k-token
+        vocabularies, as decoding the blob once and cutting the text at the characters where the
+        strings end, and it needs no numpy in a gateway)."""
+        return list(self)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))

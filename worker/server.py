@@ -44,6 +44,7 @@ from shared.protocol import (
 )
 from shared.conventions.registry import get as registered_convention
 from shared.errors import InvalidRequestError
+from shared.memory import give_back_freed_memory
 from shared.sampling_params import SamplingDefaults
 from shared.wire_security import ServerKeys, secure_server
 from worker.capabilities import convention, has_reasoning_switch, tool_call_tags
@@ -104,7 +105,8 @@ class WorkerServer:
             engine.tokenizer, registered_convention(self.card.capabilities.convention))
         self.embedder = Embedder(engine, sched.ctx, sched.queue, sched.prefill_chunk, self._send_from_any_thread,
                                  self.scheduler.wakeup.set)
-        self.scheduler.between_steps = self.embedder.run_pending
+        self.scheduler.between_steps = self._between_steps
+        self._idle_since_step = 0  # the scheduler's step count when the engine last went idle
         self.gateways: dict[bytes, float] = {}  # identity -> last time heard from
         self.greeted: set[bytes] = set()  # gateways that said HELLO to this instance
         # The card is packed once (its tokenizer spec is megabytes), and a gateway gets it at most
@@ -114,6 +116,15 @@ class WorkerServer:
         self.card_frames = self.card.frames()
         self.carded: dict[bytes, float] = {}  # identity -> when its card went out
         self.stopping = threading.Event()
+
+    def _between_steps(self) -> None:
+        """Engine thread, between steps: pending embeddings; and once each time the scheduler
+        runs out of work, the heap's free pages back to the system."""
+        self.embedder.run_pending()
+        scheduler = self.scheduler
+        if scheduler.steps != self._idle_since_step and not scheduler.running and not scheduler.waiting:
+            self._idle_since_step = scheduler.steps
+            give_back_freed_memory()
 
     def _model_card(self) -> ModelCard:
         engine, sched = self.engine, self.settings.scheduler

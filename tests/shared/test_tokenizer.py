@@ -247,6 +247,61 @@ def test_the_vocabulary_is_held_as_one_blob_and_looked_up_by_hash(tokenizers):
     assert [rebuilt.piece_to_id(piece) for piece in odd] == [0, 1, 2, 0, 4]
 
 
+def test_the_hash_keys_are_those_of_unsigned_64_bit_words():
+    """PieceIndex sorts plain integers; the keys are what numpy makes of the same hashes taken
+    as unsigned 64-bit words (negative hashes included), in the same order."""
+    import numpy as np
+
+    tokens = [f"piece{i}" for i in range(3000)] + ["", "\u00e9", "\U0001f30d", "piece7"]
+    index = PieceIndex(_spec(tokens))
+    hashes = np.array([hash(t) for t in tokens], dtype=np.int64).view(np.uint64)
+    assert (hashes >> np.uint64(63)).any(), "some hashes are negative"
+    expected = np.sort((hashes & np.uint64(index.high)) | np.arange(len(tokens), dtype=np.uint64))
+    assert index.keys.tolist() == expected.tolist()
+
+
+def test_ids_of_types_finds_every_id_of_the_kinds_asked():
+    import random
+
+    from shared.tokenizer import ids_of_types
+    rng = random.Random(3)
+    types = bytes(rng.choice([1, 1, 1, 2, 3, 4, 5, 6]) for _ in range(20000))
+    for kinds in ((3,), (3, 4), (1,), (6, 2)):
+        assert ids_of_types(types, kinds) == [i for i, kind in enumerate(types) if kind in kinds]
+    assert ids_of_types(b"", (3,)) == [] and ids_of_types(bytes([93, 92, 45]), (92, 93)) == [0, 1]
+
+
+# A gateway's process: the card's tokenizer rebuilt, an encoder and a decoder used, and numpy
+# (15 MiB of a gateway's memory) never imported.
+GATEWAY_SIDE = r"""
+import sys
+import msgpack
+import gateway.main  # what a gateway imports
+from shared.tokenizer import Tokenizer
+with open(sys.argv[1], "rb") as fh:
+    spec = msgpack.unpackb(fh.read(), raw=False)
+tokenizer = Tokenizer.from_spec(spec, encoder=True)
+ids = tokenizer.encode("Hello there, how are you doing today?", add_special=False)
+print(tokenizer.decode(ids))
+print("numpy" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("vocab", ["smollm2", "qwen3", "gemma3"])
+def test_a_gateway_builds_its_tokenizer_without_numpy(vocab, tokenizers, tmp_path):
+    import subprocess
+    import sys
+
+    spec = tmp_path / "spec.msgpack"
+    spec.write_bytes(msgpack.packb(tokenizers[vocab].spec_map(), use_bin_type=True))
+    done = subprocess.run([sys.executable, "-c", GATEWAY_SIDE, str(spec)], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    decoded, numpy_loaded = done.stdout.splitlines()[-2:]
+    assert decoded.strip() == "Hello there, how are you doing today?"
+    assert numpy_loaded == "False"
+
+
 def test_packed_strings_read_as_the_list_they_hold():
     tokens = ["a", "", "\u00e9t\u00e9", "\U0001f30d"]
     spec = _spec(tokens)

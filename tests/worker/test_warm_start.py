@@ -84,3 +84,26 @@ def test_a_warm_up_that_fails_ends_serving_with_its_error(engine):
 
     with pytest.raises(LmserveError, match="the warm-up broke"):
         server.serve_forever(before=broken)
+
+
+def test_the_worker_gives_back_free_memory_each_time_it_runs_out_of_work(engine, monkeypatch):
+    """glibc keeps what a forward pass freed inside the heap for the next one: the worker
+    returns it once each time its scheduler has nothing left to run, not on every idle loop."""
+    import worker.server
+
+    trims: list[int] = []
+    monkeypatch.setattr(worker.server, "give_back_freed_memory", lambda: trims.append(1) or True)
+    server, _ = _server(engine)
+    scheduler = server.scheduler
+    scheduler.between_steps()
+    assert trims == []  # nothing has run since the start
+    for round_ in (1, 2):
+        scheduler.submit(b"gw", Generate(f"r{round_}", [1, 2, 3], SamplingParams(temperature=0.0), 2, stop_ids=[]))
+        scheduler.admit()
+        while scheduler.running:
+            scheduler.between_steps()
+            assert len(trims) == round_ - 1  # not while a stream runs
+            scheduler.step()
+        for _ in range(3):
+            scheduler.between_steps()
+        assert len(trims) == round_
