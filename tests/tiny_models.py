@@ -221,9 +221,10 @@ def _smollm2_vocab() -> dict[str, Any]:
     vocab = {key: value for key, value in metadata.items() if key.startswith("tokenizer.")}
     cached.parent.mkdir(parents=True, exist_ok=True)
     partial = cached.with_suffix(f".{os.getpid()}.partial")
-    partial.write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    # the reader keeps string arrays packed (PackedStrings): JSON takes them as the lists they hold
+    partial.write_text(json.dumps(vocab, ensure_ascii=False, default=list), encoding="utf-8")
     os.replace(partial, cached)  # atomic, so a concurrent reader never sees half a file
-    return vocab
+    return json.loads(cached.read_text(encoding="utf-8"))  # the same lists a later process reads
 
 
 @functools.lru_cache(maxsize=1)
