@@ -526,6 +526,45 @@ class SentencePieceBPE(VocabularyModel):
         return SentencePieceEncoder(spec, index, bool(spec.add_space_prefix) and space_prefix, added)
 
 
+class RecentPieces:
+    """The ids of the pieces encoded lately, the least recently used forgotten first once their
+    texts exceed ``BUDGET`` characters. Gemma's pieces are mostly lines (its runs of line breaks
+    are tokens of their own): a 3.6k-token prompt of this README encodes in 60 ms, and again,
+    from here, in under 2 ms. Shared by the threads of one encoder."""
+
+    SHORTEST = 16  # characters; a shorter piece encodes in a few microseconds
+    BUDGET = 1 << 20  # characters remembered, some 250k tokens: about 6 MiB with their ids
+
+    def __init__(self, budget: int = BUDGET):
+        self.budget = budget
+        self.chars = 0
+        self._entries: dict[str, array] = {}  # in order of use, the latest last
+        self._lock = threading.Lock()
+
+    def get(self, text: str) -> array | None:
+        with self._lock:
+            ids = self._entries.pop(text, None)
+            if ids is not None:
+                self._entries[text] = ids
+            return ids
+
+    def put(self, text: str, ids: array) -> None:
+        if len(text) > self.budget:
+            return
+        with self._lock:
+            if text in self._entries:
+                return
+            self._entries[text] = ids
+            self.chars += len(text)
+            while self.chars > self.budget:
+                oldest = next(iter(self._entries))
+                self.chars -= len(oldest)
+                del self._entries[oldest]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class SentencePieceEncoder:
     """SentencePiece's BPE without a table of merges.
 
@@ -548,23 +587,36 @@ class SentencePieceEncoder:
         self.byte_ids = [vocab.get(f"<0x{b:02X}>") for b in range(256)]
         texts = set(added.user_defined) | (set(added.special) if added.match_special else set())
         self.added = re.compile(trie_pattern(texts)) if texts else None
+        self.recent = RecentPieces()
 
     def __call__(self, text: str) -> list[int]:
         if self.added is None:
-            return self._piece(text)
+            return list(self._remembered(text))
         ids: list[int] = []
         at = 0
         for match in self.added.finditer(text):
-            ids += self._piece(text[at:match.start()])
+            ids += self._remembered(text[at:match.start()])
             ids.append(self.vocab.get(match.group()))
             at = match.end()
-        return ids + self._piece(text[at:])
+        return ids + list(self._remembered(text[at:]))
+
+    def _remembered(self, text: str) -> Iterable[int]:
+        """``encode_piece(text)``, from ``recent`` where the piece was encoded lately: a piece's ids
+        depend on its text alone, and a conversation's next turn repeats its earlier messages."""
+        if len(text) < RecentPieces.SHORTEST:
+            return self.encode_piece(text)
+        ids = self.recent.get(text)
+        if ids is None:
+            ids = array("I", self.encode_piece(text))
+            self.recent.put(text, ids)
+        return ids
 
     def _mergeable(self, union: str) -> int | None:
         index = self.vocab.get(union)
         return index if index is not None and self.types[index] == TOKEN_NORMAL else None
 
-    def _piece(self, text: str) -> list[int]:
+    def encode_piece(self, text: str) -> list[int]:
+        """The ids of one piece (a text between added tokens), from scratch."""
         if not text:
             return []
         if self.space_prefix:

@@ -458,3 +458,55 @@ def test_sentencepiece_without_merges_equals_the_bpe_of_every_split(tokenizers):
         reference = with_added(SentencePieceBPE.encoder(spec, True), added)
         for sample in samples:
             assert ours(sample) == reference(sample), sample
+
+
+def test_a_conversations_earlier_messages_are_encoded_once(tokenizers, monkeypatch):
+    """SentencePiece's pieces (the texts between added tokens: for Gemma, mostly lines) encode
+    on their own, so one encoded lately is taken from the encoder's recent pieces: a next turn
+    that repeats the conversation encodes only what is new, and its ids are those of an
+    encoder that remembers nothing (the BPE of every split)."""
+    from shared.tokenizer import AddedTexts, RecentPieces, SentencePieceBPE, SentencePieceEncoder, with_added
+
+    tokenizer = tokenizers["gemma3"]
+    spec = tokenizer.to_spec()
+    added = AddedTexts(tuple(tokenizer.id_to_piece(i) for i in sorted(tokenizer.special_ids)),
+                       tuple(tokenizer.id_to_piece(i) for i in sorted(tokenizer.user_defined_ids)), True)
+    ours = SentencePieceEncoder(spec, tokenizer.piece_index, bool(spec.add_space_prefix), added)  # Gemma: none
+    reference = with_added(SentencePieceBPE.encoder(spec, True), added)
+    encoded: list[str] = []
+    piece = ours.encode_piece
+    monkeypatch.setattr(ours, "encode_piece", lambda text: encoded.append(text) or piece(text))
+
+    def long_pieces_encoded(text: str) -> set[str]:
+        encoded.clear()
+        assert ours(text) == reference(text)
+        return {t for t in encoded if len(t) >= RecentPieces.SHORTEST}
+
+    readme = Path(__file__).parents[2].joinpath("README.md").read_text()
+    first, reply = readme[:6000], readme[6000:7500]
+    turn = f"<start_of_turn>user\n{first}<end_of_turn>\n<start_of_turn>model\n"
+    earlier = long_pieces_encoded(turn)
+    assert len(earlier) > 20 and len(ours.recent) == len(earlier)
+    again = turn + f"{reply}<end_of_turn>\n<start_of_turn>user\nAnd the rest of it, please?<end_of_turn>\n"
+    new = long_pieces_encoded(again)
+    assert new and not new & earlier and all(t in reply or t in "And the rest of it, please?" for t in new)
+    assert not long_pieces_encoded(again)  # every long piece of it came from the recent pieces
+
+
+def test_recent_pieces_forget_the_least_recently_used_past_their_budget():
+    from array import array
+
+    from shared.tokenizer import RecentPieces
+
+    recent = RecentPieces(budget=1000)
+    a, b, c = "a" * 400, "b" * 400, "c" * 400
+    recent.put(a, array("I", [1]))
+    recent.put(b, array("I", [2]))
+    assert list(recent.get(a)) == [1]  # a is now the latest used
+    recent.put(c, array("I", [3]))
+    assert recent.get(b) is None and list(recent.get(a)) == [1] and list(recent.get(c)) == [3]
+    assert recent.chars == 800 <= recent.budget
+    recent.put("d" * 1001, array("I", [4]))  # longer than the whole budget: not kept
+    assert recent.get("d" * 1001) is None and len(recent) == 2
+    recent.put(a, array("I", [9]))  # already held: kept as it was, counted once
+    assert list(recent.get(a)) == [1] and recent.chars == 800
