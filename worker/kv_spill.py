@@ -102,6 +102,8 @@ class KVSpiller:
                 self.store.delete(usable[index])
                 break
             start = index * self.chunk_tokens
+            if cache.spilled is not None:  # in the store, where it came from: sliding layers may let go of it
+                cache.spilled = max(cache.spilled, start + self.chunk_tokens)
             cache.restore(start, chunk.keys, chunk.values, prompt[start:start + self.chunk_tokens])
             length = start + self.chunk_tokens
             self.stats.chunks_restored += 1

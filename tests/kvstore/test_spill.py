@@ -215,3 +215,36 @@ def test_layers_of_different_shapes_spill_and_restore(variant, tmp_path):
     reference = model.forward([(model.new_cache(128), follow_up)], all_logits=True)[0][48:]
     np.testing.assert_array_equal(ours, reference)
     spiller.close()
+
+
+def test_a_restored_prompt_lets_its_sliding_layers_go_as_a_computed_one_does(tmp_path):
+    """The chunks restored from the store are in it: a served cache's sliding layers give back
+    the positions behind their window while the prompt comes back, as they do while one is
+    computed, instead of holding every layer's positions until the next spill says so; and the
+    prompt goes on as if it had been computed."""
+    from tiny_models import write_tiny_gguf
+
+    from worker.engine.archs import load_model
+    from worker.engine.gguf_file import GGUFFile
+    from worker.engine.kv_cache import RELEASE_STEP
+
+    path = tmp_path / "gemma3.gguf"
+    write_tiny_gguf(path, "gemma3")  # five layers sliding over 4 positions, then a global one
+    model = load_model(GGUFFile(path))
+    spiller = KVSpiller(DirectoryStore(tmp_path / "kv", 1 << 30), "tiny-gemma3", chunk_tokens=32)
+    prompt = np.random.default_rng(6).integers(3, 200, 700).tolist()
+    first = model.new_cache(1024)
+    first.spilled = 0  # as a served slot's (the scheduler marks it so)
+    model.forward([(first, prompt)])
+    assert spiller.spill(first) == 21 and spiller.flush()
+
+    follow_up = prompt + [5, 6, 7]
+    restored = model.new_cache(1024)
+    restored.spilled = 0
+    length = spiller.restore(restored, follow_up, resident=0)
+    assert length == 672
+    assert 0 < length - restored.reach - RELEASE_STEP <= restored.released <= length - restored.reach
+    ours = model.forward([(restored, follow_up[length:])], all_logits=True)[0]
+    scratch = model.new_cache(1024)
+    np.testing.assert_array_equal(ours, model.forward([(scratch, follow_up)], all_logits=True)[0][length:])
+    spiller.close()
