@@ -32,6 +32,7 @@ import re
 import threading
 from array import array
 from bisect import bisect_left
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from itertools import accumulate, islice, repeat
@@ -538,14 +539,14 @@ class RecentPieces:
     def __init__(self, budget: int = BUDGET):
         self.budget = budget
         self.chars = 0
-        self._entries: dict[str, array] = {}  # in order of use, the latest last
+        self._entries: OrderedDict[str, array] = OrderedDict()  # the latest used last
         self._lock = threading.Lock()
 
     def get(self, text: str) -> array | None:
         with self._lock:
-            ids = self._entries.pop(text, None)
+            ids = self._entries.get(text)
             if ids is not None:
-                self._entries[text] = ids
+                self._entries.move_to_end(text)
             return ids
 
     def put(self, text: str, ids: array) -> None:
@@ -557,9 +558,8 @@ class RecentPieces:
             self._entries[text] = ids
             self.chars += len(text)
             while self.chars > self.budget:
-                oldest = next(iter(self._entries))
+                oldest, _ = self._entries.popitem(last=False)
                 self.chars -= len(oldest)
-                del self._entries[oldest]
 
     def __len__(self) -> int:
         return len(self._entries)
