@@ -219,7 +219,7 @@ class Trainer:
         self.identity = {"model": model_identity(engine), "document": document_digest(document), "settings": run}
         cache, tokens = from_document(engine, document, settings.tokens)
         self.tokens = tokens
-        self.prefix = Prefix([cache.keys[i][:, :tokens] for i in range(cache.n_layer)],
+        self.prefix = Prefix([cache.key_rows(i, 0, tokens) for i in range(cache.n_layer)],
                              [cache.values[i][:, :tokens] for i in range(cache.n_layer)])
         self.optimizer = torch.optim.Adam(self.prefix.parameters, lr=settings.lr)
         self.samples: list[Sample] = []

@@ -14,7 +14,7 @@ from numba import njit
 from worker.engine import kernels, ops
 from worker.engine.kernels import attention
 from worker.engine.kernels.simd import load_f32x8, store_f32x8
-from worker.engine.kernels.wide_simd import WIDTH, put_transposed
+from worker.engine.kv_cache import key_runs, keys_of_runs
 
 
 def reference(q, keys, values, first_pos, scale, window=None, softcap=None):
@@ -83,7 +83,7 @@ def test_compiled_attention_matches_the_reference(n_tokens, first_pos, window, s
     values = rng.standard_normal((n_kv, n_keys + 5, value_dim), dtype=np.float32)[:, :n_keys]
     q = rng.standard_normal((n_tokens, n_kv * group, head_dim), dtype=np.float32)
     out = np.empty((n_tokens, n_kv * group * value_dim), dtype=np.float32)
-    got = attention.causal_attention(q, keys, values, first_pos, np.float32(0.2), window or 0,
+    got = attention.causal_attention(q, key_runs(keys), values, first_pos, np.float32(0.2), window or 0,
                                      np.float32(softcap or 0.0), out)
     want = reference(q, keys, values, first_pos, 0.2, window, softcap)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
@@ -96,13 +96,13 @@ def test_compiled_attention_matches_the_reference(n_tokens, first_pos, window, s
     (2, 0, True, 64),    # an f16 cache
     (1, 40, True, 64),   # one head per KV head, a sliding window inside key blocks
     (5, 0, False, 64),   # a group whose rows leave a remainder after the fours
-    (2, 0, True, 128),   # Qwen3's heads: each lane's chain eight (AVX-512) or sixteen products long
-    (3, 0, False, 40),   # a head that ends inside a vector: the turned keys padded with zeros
+    (2, 0, True, 128),   # Qwen3's heads
+    (3, 0, False, 40),   # a head of 40 dims
 ])
 def test_a_query_gets_the_same_bits_in_any_chunk(group, window, half, head_dim):
     """What a query computes depends on its position and the cache only: a prompt attended in
-    one call (rows four at a time, scores from the turned key block), in uneven chunks, or a
-    token at a time (rows two at a time from the cache in place) gives identical rows."""
+    one call (rows four at a time, scores from the key block widened into scratch), in uneven
+    chunks, or a token at a time (rows two at a time from the runs in place) gives identical rows."""
     rng = np.random.default_rng(9)
     n_tokens, n_kv = 150, 3
     keys = rng.standard_normal((n_kv, n_tokens, head_dim), dtype=np.float32)
@@ -110,10 +110,11 @@ def test_a_query_gets_the_same_bits_in_any_chunk(group, window, half, head_dim):
     if half:
         keys, values = (a.astype(np.float16).view(np.uint16) for a in (keys, values))
     q = rng.standard_normal((n_tokens, n_kv * group, head_dim), dtype=np.float32)
+    runs = key_runs(keys)
 
     def attend(a, b):
         out = np.empty((b - a, n_kv * group * head_dim), dtype=np.float32)
-        return attention.causal_attention(q[a:b], keys[:, :b], values[:, :b], a, np.float32(0.125), window,
+        return attention.causal_attention(q[a:b], runs, values[:, :b], a, np.float32(0.125), window,
                                           np.float32(0.0), out)
     whole = attend(0, n_tokens)
     for cuts in ([0, 7, 8, 70, 150], list(range(151))):
@@ -121,27 +122,20 @@ def test_a_query_gets_the_same_bits_in_any_chunk(group, window, half, head_dim):
         np.testing.assert_array_equal(np.concatenate(parts), whole)
 
 
-@njit(cache=True)
-def _turn(out, out_at, out_stride, rows, rows_at, rows_stride, count, width):
-    put_transposed(out, out_at, out_stride, rows, rows_at, rows_stride, count, width)
-
-
-@needs_kernels
-@pytest.mark.parametrize("half", [False, True])
-@pytest.mark.parametrize("count, width", [(WIDTH, WIDTH), (3, 5), (0, WIDTH), (WIDTH, 2), (WIDTH - 1, WIDTH)])
-def test_a_block_of_keys_turns_dims_into_rows(half, count, width):
-    """``put_transposed`` writes value l of row n at row l, column n, reads no row past
-    ``count`` nor value past ``width`` (zeros there), and leaves the rest of ``out`` alone."""
-    rng = np.random.default_rng(count * 100 + width)
-    rows = rng.standard_normal((40, 50)).astype(np.float16 if half else np.float32)
-    out = np.full((WIDTH + 4, WIDTH + 14), 7.0, dtype=np.float32)
-    _turn(out, 2 * out.shape[1] + 3, out.shape[1], rows.view(np.uint16) if half else rows, 4 * 50 + 6, 50,
-          count, width)
-    block = np.zeros((WIDTH, WIDTH), dtype=np.float32)
-    block[:count, :width] = rows[4:4 + count, 6:6 + width]
-    want = np.full_like(out, 7.0)
-    want[2:2 + WIDTH, 3:3 + WIDTH] = block.T
-    np.testing.assert_array_equal(out, want)
+@pytest.mark.parametrize("n_keys, d", [(1, 8), (63, 16), (64, 40), (200, 128)])
+def test_key_runs_hold_positions_dim_by_dim_in_whole_key_blocks(n_keys, d):
+    """``key_runs`` puts key p's dim i at run p // RUN, row i, lane p % RUN, pads with zero keys
+    to whole key blocks (attention reads whole blocks), and ``keys_of_runs`` gives any span back."""
+    rng = np.random.default_rng(n_keys)
+    keys = rng.standard_normal((3, n_keys, d)).astype(np.float16)
+    runs = key_runs(keys)
+    assert runs.shape == (3, -(-n_keys // attention.KEY_BLOCK) * attention.KEY_BLOCK // attention.RUN, d,
+                          attention.RUN)
+    p = n_keys - 1
+    np.testing.assert_array_equal(runs[:, p // attention.RUN, :, p % attention.RUN], keys[:, p])
+    assert not keys_of_runs(runs, n_keys, runs.shape[1] * attention.RUN).any()
+    np.testing.assert_array_equal(keys_of_runs(runs, 0, n_keys), keys)
+    np.testing.assert_array_equal(keys_of_runs(runs, n_keys // 3, n_keys), keys[:, n_keys // 3:])
 
 
 @needs_kernels

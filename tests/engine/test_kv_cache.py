@@ -14,6 +14,7 @@ import pytest
 from shared.errors import ModelLoadError
 from worker.engine import kernels
 from worker.engine import Engine
+from worker.engine.kernels.attention import RUN
 from worker.engine.kv_cache import KVCache
 
 
@@ -76,6 +77,7 @@ def test_unknown_kv_type_is_refused(default_model):
 
 GROWTH_SCRIPT = r"""
 import numpy as np
+from worker.engine.kernels.attention import RUN
 from worker.engine.kv_cache import KVCache
 
 def status(key):
@@ -86,13 +88,13 @@ cache = KVCache(30, 3, 64, 20000)
 cache.reserve(6000)
 rng = np.random.default_rng(0)
 for layer in range(30):
-    cache.keys[layer][:, :6000] = rng.standard_normal((3, 6000, 64)).astype(np.float16)
-    cache.values[layer][:, :6000] = cache.keys[layer][:, :6000] * 2
+    cache.put_key_rows(layer, 0, rng.standard_normal((3, 6000, 64)).astype(np.float16))
+    cache.values[layer][:, :6000] = cache.key_rows(layer, 0, 6000) * 2
 cache.commit(list(range(6000)))
-first = [cache.keys[layer][:, :6000].copy() for layer in (0, 29)]
+first = [cache.key_rows(layer, 0, 6000) for layer in (0, 29)]
 peak = status("VmHWM:")
 cache.reserve(6000)
-assert all(np.array_equal(cache.keys[l][:, :6000], f) for l, f in zip((0, 29), first))
+assert all(np.array_equal(cache.key_rows(l, 0, 6000), f) for l, f in zip((0, 29), first))
 assert np.array_equal(cache.values[29][:, :6000], first[1] * 2)
 print(status("VmHWM:") - peak)
 """
@@ -129,7 +131,7 @@ def test_layers_of_their_own_shapes_grow_export_and_restore(kv_type):
     assert cache.capacity == 512 and cache.length == 300
     for layer in range(3):
         k = np.concatenate([k for k, _ in written[layer]]).transpose(1, 0, 2).astype(cache.dtype)
-        np.testing.assert_array_equal(cache.keys[layer][:, :300], k)
+        np.testing.assert_array_equal(cache.key_rows(layer, 0, 300), k)
     keys, values = cache.export(100, 50)
     assert (keys.shape, values.shape) == cache.chunk_shapes(50) == (((2 * 16 + 32 + 2 * 16) * 50,),) * 2
     other = KVCache(3, 2, 32, 1024, kv_type=kv_type, layers=shapes)
@@ -139,7 +141,7 @@ def test_layers_of_their_own_shapes_grow_export_and_restore(kv_type):
     other.commit(list(range(100)))
     other.restore(100, keys, values, list(range(100, 150)))
     for layer in range(3):
-        np.testing.assert_array_equal(other.keys[layer][:, :150], cache.keys[layer][:, :150])
+        np.testing.assert_array_equal(other.key_rows(layer, 0, 150), cache.key_rows(layer, 0, 150))
         np.testing.assert_array_equal(other.values[layer][:, :150], cache.values[layer][:, :150])
     with pytest.raises(ValueError):
         other.restore(150, keys[:-1], values, list(range(150, 200)))
@@ -177,11 +179,11 @@ def test_sliding_layers_give_back_old_positions_and_read_the_same(sliding_model)
     for token in (5, 6, 7):
         np.testing.assert_array_equal(model.forward([(cache, [token])])[0], model.forward([(reference, [token])])[0])
     assert cache.released >= 703 - 4 - READ_MARGIN - RELEASE_STEP and cache.released > 0
-    # the pages went back (whole pages: a page's worth of positions may stay): they read as
-    # zeros in the sliding layers, and the global layer keeps them
-    gone = cache.released - mmap.PAGESIZE // (model.hp.head_dim * cache.dtype.itemsize)
-    assert gone > 0 and not cache.keys[0][:, :gone].any() and not cache.values[4][:, :gone].any()
-    assert cache.keys[5][:, :cache.released].all(axis=-1).any()
+    # the pages went back (whole pages of whole runs of keys: a page's worth of positions and a
+    # run may stay): they read as zeros in the sliding layers, and the global layer keeps them
+    gone = cache.released - RUN - mmap.PAGESIZE // (model.hp.head_dim * cache.dtype.itemsize)
+    assert gone > 0 and not cache.key_rows(0, 0, gone).any() and not cache.values[4][:, :gone].any()
+    assert cache.key_rows(5, 0, cache.released).all(axis=-1).any()
     # what it holds at most: the window (and the steps before it goes) of every sliding layer
     per_layer = reference.full_bytes(1) // 6
     assert cache.full_bytes(703) == per_layer * (5 * (4 + READ_MARGIN + RELEASE_STEP) + 703)

@@ -141,7 +141,7 @@ def test_a_cartridge_holding_nan_or_inf_is_refused_naming_the_tensor(tiny, tmp_p
     it is refused at load in one line that names the file and the tensor."""
     _, engine, _ = tiny
     cache, tokens = from_document(engine, DOCUMENT, 8)
-    keys = [cache.keys[i][:, :tokens].copy() for i in range(cache.n_layer)]
+    keys = [cache.key_rows(i, 0, tokens) for i in range(cache.n_layer)]
     values = [cache.values[i][:, :tokens].copy() for i in range(cache.n_layer)]
     name, layer = tensor.split(".")
     (keys if name == "keys" else values)[int(layer)][0, 3, 5] = poison

@@ -47,7 +47,7 @@ def test_the_torch_mirror_gives_the_engines_logits(models, arch):
     with torch.no_grad():
         np.testing.assert_allclose(decoder.logits(decoder.hidden([], [], tokens)).numpy(), plain, atol=1e-4)
     cache, n = from_document(engine, DOCUMENT, 20)
-    prefix = Prefix([cache.keys[i][:, :n] for i in range(cache.n_layer)],
+    prefix = Prefix([cache.key_rows(i, 0, n) for i in range(cache.n_layer)],
                     [cache.values[i][:, :n] for i in range(cache.n_layer)])
     keys, values = prefix.whole()
     held = engine.new_cache(64)

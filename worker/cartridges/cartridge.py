@@ -194,8 +194,8 @@ def compose(parts: list[Cartridge], engine: Engine) -> Cartridge:
         for layer, owner in enumerate(kv_layer_owners(engine) if offset else []):
             inv_freq, adjacent = model.rope_tables[model.layer_rope[owner]]
             cos, sin = ops.rope_cos_sin(np.full(part.tokens, offset), inv_freq)
-            held = scratch.keys[layer][:, :part.tokens]
-            held[...] = ops.apply_rope(held.transpose(1, 0, 2), cos, sin, adjacent).transpose(1, 0, 2)
+            held = scratch.key_rows(layer, 0, part.tokens)
+            scratch.put_key_rows(layer, 0, ops.apply_rope(held.transpose(1, 0, 2), cos, sin, adjacent).transpose(1, 0, 2))
         keys, values = scratch.export(0, part.tokens)
         cache.restore(offset, keys, values, part.pseudo_ids)
         offset += part.tokens
@@ -206,7 +206,7 @@ def compose(parts: list[Cartridge], engine: Engine) -> Cartridge:
 
 def write(path: str | os.PathLike, engine: Engine, cache: KVCache, tokens: int, source: str) -> None:
     """Save positions 0..tokens−1 of a cache as a cartridge of this engine's model."""
-    write_arrays(path, engine, [cache.keys[i][:, :tokens] for i in range(cache.n_layer)],
+    write_arrays(path, engine, [cache.key_rows(i, 0, tokens) for i in range(cache.n_layer)],
                  [cache.values[i][:, :tokens] for i in range(cache.n_layer)], tokens, source)
 
 

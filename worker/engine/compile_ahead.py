@@ -59,13 +59,19 @@ def _marker(job: str) -> Path:
 
 def compile_job(job: str) -> None:
     """Compile one leaf kernel on tiny inputs of the types the engine passes it, then mark it."""
+    from worker.engine import kernels
+
+    # a parallel kernel that another one calls, when both come from numba's disk cache (compiled
+    # by an earlier process that did not mark them), needs the thread pool running (numba issue 8578)
+    kernels.start_threads()
     kind, _, what = job.partition(":")
     if kind == "attention":
         from worker.engine.kernels import attention
+        from worker.engine.kv_cache import key_runs
 
         dtype = KV_DTYPES[what]
         q, k, v = (np.zeros((2, 2, 16), np.float32) for _ in range(3))
-        keys, values = np.zeros((2, 8, 16), dtype), np.zeros((2, 8, 16), dtype)
+        keys, values = key_runs(np.zeros((2, 8, 16), dtype)), np.zeros((2, 8, 16), dtype)
         attention.store_and_attend(q, k, v, keys, values, 0, np.float32(1.0), 0, np.float32(0.0),
                                    np.zeros((2, 32), np.float32))
     elif kind in ("gemm", "rows"):

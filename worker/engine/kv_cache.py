@@ -7,7 +7,10 @@ returned to the system at once (no holes left in the heap), and a cache that gro
 each old layer's pages as soon as that layer is copied, so growing holds the old block and one
 layer of the new, not both blocks. Keys and values are held as IEEE halves (``f16``, the
 default: half the memory, spilled chunks included) or as float32 (``f32``); either way
-attention computes in float32.
+attention computes in float32. Keys lie in runs of RUN positions, each run dim by dim
+(``key_runs``): the compiled attention loads a vector of keys at once, with no turning of rows
+into columns; ``key_rows`` and ``put_key_rows`` read and write them as rows [K, n, d], which is
+also how ``export`` hands them to the kvstore.
 
 Layers that attend over a sliding window never read a key again once it is a window (and a key
 block) behind the last position: as a sequence grows, the pages of those positions are given
@@ -26,6 +29,7 @@ import numpy as np
 
 from worker.engine import kernels
 from worker.engine.kernels import attention
+from worker.engine.kernels.attention import KEY_BLOCK, RUN
 
 GROWTH_BLOCK = 256  # tokens added per growth step
 READ_MARGIN = 64  # attention reads whole key blocks of 64 from the one holding a window's first key
@@ -34,7 +38,8 @@ KV_TYPES = {"f16": np.float16, "f32": np.float32}
 
 
 class KVCache:
-    """keys[l], values[l]: [K, capacity, d] of ``dtype``; the first ``length`` positions are valid.
+    """keys[l]: [K, runs, d, RUN] (``key_runs``), values[l]: [K, capacity, d] of ``dtype``; the
+    first ``length`` positions are valid.
 
     Every layer has the same K, d and dv unless ``layers`` gives each its own (K, d, dv), as in
     families that mix sliding-window layers with global ones of another shape. Layers of one
@@ -98,14 +103,16 @@ class KVCache:
         keys_of: list[np.ndarray] = [np.empty(0)] * self.n_layer
         values_of: list[np.ndarray] = [np.empty(0)] * self.n_layer
         blocks = {}
+        runs = -(-new_capacity // KEY_BLOCK) * (KEY_BLOCK // RUN)  # whole key blocks: attention reads them so
         for (n_kv, d, dv), members in self._groups.items():
-            shape = (len(members), n_kv, new_capacity)
-            keys, values = mapped_block(shape + (d,), self.dtype), mapped_block(shape + (dv,), self.dtype)
+            keys = mapped_block((len(members), n_kv, runs, d, RUN), self.dtype)
+            values = mapped_block((len(members), n_kv, new_capacity, dv), self.dtype)
             old = self._blocks.get((n_kv, d, dv))
             for index, layer in enumerate(members):
                 if old is not None:  # copy the valid prefix, giving back each old layer once copied
                     held = self.released if self.windows[layer] else 0  # released pages stay unwritten
-                    keys[index, :, held:self.length] = self.keys[layer][:, held:self.length]
+                    keys[index, :, held // RUN:-(-self.length // RUN)] = \
+                        self.keys[layer][:, held // RUN:-(-self.length // RUN)]
                     values[index, :, held:self.length] = self.values[layer][:, held:self.length]
                     for block in old:
                         release_pages(block, index)
@@ -121,15 +128,30 @@ class KVCache:
         if self.length + n_new > self.capacity:
             self._grow(self.length + n_new)
 
-    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store this step's k/v [T, K, d] after the valid prefix; return all keys/values [K, L, d].
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store this step's k/v [T, K, d] after the valid prefix.
 
         ``length`` moves only in ``commit`` so every layer writes at the same offset.
         """
         start, end = self.length, self.length + k.shape[0]
-        self.keys[layer][:, start:end] = k.transpose(1, 0, 2)
+        self.put_key_rows(layer, start, k.transpose(1, 0, 2))
         self.values[layer][:, start:end] = v.transpose(1, 0, 2)
-        return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+    def key_rows(self, layer: int, start: int, end: int) -> np.ndarray:
+        """A copy of positions [start, end) of a layer's keys as rows [K, n, d]."""
+        return keys_of_runs(self.keys[layer], start, end)
+
+    def put_key_rows(self, layer: int, start: int, rows: np.ndarray) -> None:
+        """Write rows [K, n, d] at positions start.. of a layer's keys (the runs they fall in
+        keep their other positions)."""
+        end = start + rows.shape[1]
+        first, last = start // RUN, -(-end // RUN)
+        if start % RUN or end % RUN:  # part runs at the ends: what they hold besides stays
+            whole = self.key_rows(layer, first * RUN, last * RUN)
+            whole[:, start - first * RUN:end - first * RUN] = rows
+            rows = whole
+        n_kv, _, d = rows.shape
+        self.keys[layer][:, first:last] = rows.reshape(n_kv, last - first, RUN, d).transpose(0, 1, 3, 2)
 
     def store_and_attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
                          window: int, out: np.ndarray, softcap: float = 0.0) -> np.ndarray:
@@ -166,7 +188,7 @@ class KVCache:
         for shape, (keys, values) in self._blocks.items():
             for index, layer in enumerate(self._groups[shape]):
                 if self.windows[layer]:  # from 0: pages a step's edges left are whole now
-                    release_positions(keys, index, 0, target)
+                    release_positions(keys, index, 0, target // RUN)  # whole runs
                     release_positions(values, index, 0, target)
         self.released = target
 
@@ -283,11 +305,12 @@ class KVCache:
         else:
             both = into[:self.export_bytes(count)].view(dtype)
         keys, values = both[:k_size].reshape(k_shape), both[k_size:].reshape(v_shape)
+        key_rows = [self.key_rows(layer, start, end) for layer in range(self.n_layer)]
         if self.uniform:
-            np.stack([k[:, start:end] for k in self.keys], out=keys)
+            np.stack(key_rows, out=keys)
             np.stack([v[:, start:end] for v in self.values], out=values)
         else:
-            np.concatenate([k[:, start:end].ravel() for k in self.keys], out=keys)
+            np.concatenate([k.ravel() for k in key_rows], out=keys)
             np.concatenate([v[:, start:end].ravel() for v in self.values], out=values)
         return keys, values
 
@@ -311,7 +334,7 @@ class KVCache:
                 k_part = keys[k_at:k_at + n_kv * count * d].reshape(n_kv, count, d)
                 v_part = values[v_at:v_at + n_kv * count * dv].reshape(n_kv, count, dv)
                 k_at, v_at = k_at + k_part.size, v_at + v_part.size
-            self.keys[layer][:, start:start + count] = k_part
+            self.put_key_rows(layer, start, k_part)
             self.values[layer][:, start:start + count] = v_part
         self.commit(token_ids)
 
@@ -348,6 +371,25 @@ class KVCache:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
 
+def key_runs(keys: np.ndarray) -> np.ndarray:
+    """Keys [K, L, d] as the key cache holds them: [K, runs, d, RUN], run r holding positions
+    rRUN .. rRUN + RUN - 1 dim by dim, as many runs as whole key blocks of attention take
+    (zeros past L)."""
+    n_kv, n_keys, d = keys.shape
+    runs = -(-max(n_keys, 1) // KEY_BLOCK) * (KEY_BLOCK // RUN)
+    padded = np.zeros((n_kv, runs * RUN, d), dtype=keys.dtype)
+    padded[:, :n_keys] = keys
+    return np.ascontiguousarray(padded.reshape(n_kv, runs, RUN, d).transpose(0, 1, 3, 2))
+
+
+def keys_of_runs(runs: np.ndarray, start: int, end: int) -> np.ndarray:
+    """Positions [start, end) of keys held in runs [K, runs, d, RUN], as rows [K, n, d] (a copy)."""
+    first, last = start // RUN, -(-end // RUN)
+    n_kv, _, d, _ = runs.shape
+    rows = runs[:, first:last].transpose(0, 1, 3, 2).copy().reshape(n_kv, (last - first) * RUN, d)
+    return rows[:, start - first * RUN:end - first * RUN]
+
+
 def kernel_view(a: np.ndarray) -> np.ndarray:
     """A cache array as the compiled attention reads it: float32, or the bits of f16 as uint16."""
     return a.view(np.uint16) if a.dtype == np.float16 else a
@@ -367,13 +409,13 @@ def mapped_block(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 def release_positions(block: np.ndarray, index: int, start: int, end: int) -> None:
-    """Give back the whole pages of positions [start, end) of layer ``index`` of a block
-    [layers, K, capacity, d], head by head."""
+    """Give back the whole pages of rows [start, end) of layer ``index`` of a block
+    [layers, K, rows, ...] (positions of values, runs of keys), head by head."""
     region = _mapping_of(block)
     if region is None:
         return
-    _, heads, capacity, width = block.shape
-    row = width * block.itemsize
+    heads, capacity = block.shape[1], block.shape[2]
+    row = int(np.prod(block.shape[3:])) * block.itemsize
     for head in range(heads):
         base = ((index * heads + head) * capacity) * row
         first = -(-(base + start * row) // mmap.PAGESIZE) * mmap.PAGESIZE

@@ -17,7 +17,7 @@ import numpy as np
 
 from worker.engine import kernels
 from worker.engine.kernels import attention, rowwise
-from worker.engine.kv_cache import kernel_view
+from worker.engine.kv_cache import kernel_view, key_runs
 from worker.engine.weights import DenseWeight, MatmulInput, Weight
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ def attend(q: np.ndarray, k: np.ndarray | None, v: np.ndarray | None, fp: Forwar
         rows, first = slice(start, end), cache.length
         if fp.canvas:
             oldest = max(0, first - (window - 1)) if window else 0  # the first cached position it sees
-            keys = np.concatenate([cache.keys[layer][:, oldest:first].astype(np.float32, copy=False),
+            keys = np.concatenate([cache.key_rows(layer, oldest, first).astype(np.float32, copy=False),
                                    k[rows].transpose(1, 0, 2)], axis=1)
             values = np.concatenate([cache.values[layer][:, oldest:first].astype(np.float32, copy=False),
                                      v[rows].transpose(1, 0, 2)], axis=1)
@@ -142,16 +142,28 @@ def attend(q: np.ndarray, k: np.ndarray | None, v: np.ndarray | None, fp: Forwar
         elif compiled:
             cache.store_and_attend(layer, q[rows], k[rows], v[rows], scale, window, out[rows], softcap)
         else:
-            if k is None:
-                seen = first + end - start
-                keys, values = cache.keys[layer][:, :seen], cache.values[layer][:, :seen]
-            else:
-                keys, values = cache.write(layer, k[rows], v[rows])
+            if k is not None:
+                cache.write(layer, k[rows], v[rows])
+            seen = first + end - start
+            values = cache.values[layer][:, :seen]
             if bias is not None:
-                out[rows] = masked_attention(q[rows], keys, values, first, scale, window, bias[rows])
+                out[rows] = masked_attention(q[rows], cache.key_rows(layer, 0, seen), values, first, scale, window,
+                                             bias[rows])
+            elif _compiled_attention(q.shape[-1], values.shape[-1]):  # the cache's runs as they are
+                out[rows] = attention.causal_attention(np.ascontiguousarray(q[rows], dtype=np.float32),
+                                                       kernel_view(cache.keys[layer]), kernel_view(values), first,
+                                                       np.float32(scale), window, np.float32(softcap),
+                                                       np.empty((end - start, q.shape[1] * values.shape[-1]),
+                                                                dtype=np.float32))
             else:
-                out[rows] = causal_attention(q[rows], keys, values, first, scale, window or None, softcap or None)
+                out[rows] = causal_attention(q[rows], cache.key_rows(layer, 0, seen), values, first, scale,
+                                             window or None, softcap or None)
     return out
+
+
+def _compiled_attention(head_dim: int, value_dim: int) -> bool:
+    """Whether the compiled attention takes heads of these sizes on this CPU."""
+    return head_dim % 8 == 0 and value_dim % 16 == 0 and kernels.available()
 
 
 def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_pos: int,
@@ -174,9 +186,9 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_
     n_tokens, n_head, head_dim = q.shape
     n_kv, n_keys, _ = keys.shape
     value_dim = values.shape[-1]
-    if head_dim % 8 == 0 and value_dim % 16 == 0 and kernels.available():
+    if _compiled_attention(head_dim, value_dim):
         out = np.empty((n_tokens, n_head * value_dim), dtype=np.float32)
-        return attention.causal_attention(np.ascontiguousarray(q, dtype=np.float32), kernel_view(keys),
+        return attention.causal_attention(np.ascontiguousarray(q, dtype=np.float32), kernel_view(key_runs(keys)),
                                           kernel_view(values), first_pos, np.float32(scale), window or 0,
                                           np.float32(softcap or 0.0), out)
     keys, values = keys.astype(np.float32, copy=False), values.astype(np.float32, copy=False)

@@ -7,18 +7,16 @@ maximum, sum and output of each row are rescaled when a block raises the maximum
 score matrix is built and memory stays flat as the context grows. Sliding windows limit the
 keys a row sees; a logit softcap bends scores through tanh.
 
-Per key block, in float32 and WIDTH lanes (``wide_simd.py``: 16 with AVX-512, else 8):
+The key cache holds its keys in *runs* of RUN positions, each run dim by dim (the RUN keys'
+dim 0 side by side, then their dim 1, ...: ``kv_cache.key_runs``), so a vector of keys is one
+load. Per key block, in float32 and WIDTH lanes (``wide_simd.py``: 16 with AVX-512, else 8):
 
-* the block's values are widened once into scratch rows (dims padded with zeros), its keys
-  widened and turned (``put_transposed``): one scratch row per dim, the keys across it, the
-  dims of a lane (i, i + WIDTH, ...) in adjacent rows;
+* the block's keys are widened into scratch as they lie (a row per dim, the keys across it),
+  its values into scratch rows (dims padded with zeros);
 * scores, four rows by SCORE_GROUPS · WIDTH keys at a time, the keys in lanes. A score is
-  defined as lanes over the head (dim i in lane i % WIDTH, each lane's products added in
-  order by one fused multiply-add after another from 0), folded to eight lanes and added in
-  one fixed tree (``simd.sums8_f32``). With the keys turned, each lane's chain runs for
-  sixteen or eight scores at once with no shuffles, then the fold and the tree are vertical
-  adds. A task of few rows (a decode step) reads the cache in place instead, two rows by
-  eight keys, dims in lanes and horizontal sums: the same operations on the same numbers;
+  defined as Σ q[d]·k[d], one fused multiply-add after another from d = 0, in one lane. A
+  task of few rows (a decode step) reads the runs in place instead, two rows at a time: the
+  same operations on the same numbers;
 * the online softmax, row by row;
 * the weighted values, four rows at a time: each output dim sums its keys in order.
 
@@ -37,13 +35,13 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from worker.engine.kernels.simd import (add_f32, floor_f32, fmadd, load_f32x8, max_f32, mul_f32, pow2_f32,
-                                        splat_f32, store_f32x8, store_kv8, sub_f32, sum_pairs_f32, sums8_f32)
+                                        splat_f32, store_kv8, store_kv8_apart, sub_f32, sum_pairs_f32)
 from worker.engine.kernels.wide_simd import (WIDTH, add_float, floor_floats, fma_float, keep_lanes, largest_lane,
-                                             load_floats, load_widened, max_float, mul_float, pow2_floats,
-                                             put_floats, put_transposed, splat_float, sub_float, to_eight,
-                                             zeros_float)
+                                             load_floats, load_widened, load_widened_all, max_float, mul_float,
+                                             pow2_floats, put_floats, splat_float, sub_float, to_eight, zeros_float)
 
 KEY_BLOCK = 64
+RUN = 16  # keys in a run of the key cache, which holds them dim by dim (``kv_cache.key_runs``)
 QUERY_BLOCK = 64
 TILE = 4  # rows a step of the scores and of the value sums takes
 DIRECT_ROWS = 8  # a task of at most this many rows reads the cache in place (no widened scratch)
@@ -125,139 +123,93 @@ def _widen_row(source, count, rows_out, r, chunks):
 
 
 @njit(inline="always", cache=True)
-def _lane_chains_four(qf, kt, r, g0, i, chunks, lane_sums):
-    """Lane i of the scores of rows r..r+3 against key groups g0..g0+3 (WIDTH keys each): for
-    each row and key, Σ q[d]·k[d] over the dims d = i, i + WIDTH, ... in that order, one fused
-    multiply-add at a time from 0, as lane i of ``_score_pair_from_cache``'s sums takes them;
-    into ``lane_sums[i]``, a vector per row and group."""
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zeros_float()
-    c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = zeros_float()
-    at = g0 * WIDTH
-    for c in range(chunks):
-        dim = WIDTH * c + i
-        key = (i * chunks + c) * KEY_BLOCK + at
-        k0, k1 = load_floats(kt, key), load_floats(kt, key + WIDTH)
-        k2, k3 = load_floats(kt, key + 2 * WIDTH), load_floats(kt, key + 3 * WIDTH)
-        q = splat_float(qf[r, dim])
-        a0, a1, a2, a3 = fma_float(q, k0, a0), fma_float(q, k1, a1), fma_float(q, k2, a2), fma_float(q, k3, a3)
-        q = splat_float(qf[r + 1, dim])
-        b0, b1, b2, b3 = fma_float(q, k0, b0), fma_float(q, k1, b1), fma_float(q, k2, b2), fma_float(q, k3, b3)
-        q = splat_float(qf[r + 2, dim])
-        c0, c1, c2, c3 = fma_float(q, k0, c0), fma_float(q, k1, c1), fma_float(q, k2, c2), fma_float(q, k3, c3)
-        q = splat_float(qf[r + 3, dim])
-        d0, d1, d2, d3 = fma_float(q, k0, d0), fma_float(q, k1, d1), fma_float(q, k2, d2), fma_float(q, k3, d3)
-    out = lane_sums[i]
-    _put_four(out, 0, a0, a1, a2, a3)
-    _put_four(out, 4 * WIDTH, b0, b1, b2, b3)
-    _put_four(out, 8 * WIDTH, c0, c1, c2, c3)
-    _put_four(out, 12 * WIDTH, d0, d1, d2, d3)
+def _widen_runs(keys, base, head_dim, kt):
+    """The key block whose first run starts at element ``base`` of ``keys`` (a KV head's runs,
+    flattened) as floats in ``kt`` [head_dim, KEY_BLOCK]: row d holds dim d of the block's keys."""
+    for g in range(KEY_BLOCK // RUN):
+        run = base + g * head_dim * RUN
+        for d in range(head_dim):
+            for h in range(0, RUN, WIDTH):
+                put_floats(kt, d * KEY_BLOCK + g * RUN + h, load_widened_all(keys, run + d * RUN + h))
 
 
 @njit(inline="always", cache=True)
-def _lane_chains_two(qf, kt, r, g0, i, chunks, lane_sums):
-    """``_lane_chains_four`` for two key groups (eight accumulators: AVX2 has 16 registers)."""
-    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = zeros_float()
+def _scores_four(qf, kt, r, g0, dims, scores):
+    """Rows r..r+3 against the SCORE_GROUPS key groups from g0 (WIDTH keys each) of the widened
+    block ``kt``: each score Σ q[d]·k[d], one fused multiply-add after another from d = 0, the
+    keys in lanes."""
     at = g0 * WIDTH
-    for c in range(chunks):
-        dim = WIDTH * c + i
-        key = (i * chunks + c) * KEY_BLOCK + at
-        k0, k1 = load_floats(kt, key), load_floats(kt, key + WIDTH)
-        q = splat_float(qf[r, dim])
-        a0, a1 = fma_float(q, k0, a0), fma_float(q, k1, a1)
-        q = splat_float(qf[r + 1, dim])
-        b0, b1 = fma_float(q, k0, b0), fma_float(q, k1, b1)
-        q = splat_float(qf[r + 2, dim])
-        c0, c1 = fma_float(q, k0, c0), fma_float(q, k1, c1)
-        q = splat_float(qf[r + 3, dim])
-        d0, d1 = fma_float(q, k0, d0), fma_float(q, k1, d1)
-    out = lane_sums[i]
-    put_floats(out, 0, a0)
-    put_floats(out, WIDTH, a1)
-    put_floats(out, 2 * WIDTH, b0)
-    put_floats(out, 3 * WIDTH, b1)
-    put_floats(out, 4 * WIDTH, c0)
-    put_floats(out, 5 * WIDTH, c1)
-    put_floats(out, 6 * WIDTH, d0)
-    put_floats(out, 7 * WIDTH, d1)
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zeros_float()
+    c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = zeros_float()
+    for d in range(dims):
+        row = d * KEY_BLOCK + at
+        k0, k1 = load_floats(kt, row), load_floats(kt, row + WIDTH)
+        if SCORE_GROUPS == 4:
+            k2, k3 = load_floats(kt, row + 2 * WIDTH), load_floats(kt, row + 3 * WIDTH)
+        else:
+            k2, k3 = k0, k1
+        a0, a1, a2, a3 = _row_step(qf[r, d], k0, k1, k2, k3, a0, a1, a2, a3)
+        b0, b1, b2, b3 = _row_step(qf[r + 1, d], k0, k1, k2, k3, b0, b1, b2, b3)
+        c0, c1, c2, c3 = _row_step(qf[r + 2, d], k0, k1, k2, k3, c0, c1, c2, c3)
+        d0, d1, d2, d3 = _row_step(qf[r + 3, d], k0, k1, k2, k3, d0, d1, d2, d3)
+    _put_groups(scores, r * KEY_BLOCK + at, a0, a1, a2, a3)
+    _put_groups(scores, (r + 1) * KEY_BLOCK + at, b0, b1, b2, b3)
+    _put_groups(scores, (r + 2) * KEY_BLOCK + at, c0, c1, c2, c3)
+    _put_groups(scores, (r + 3) * KEY_BLOCK + at, d0, d1, d2, d3)
+
+
+@njit(inline="always", cache=True)
+def _row_step(q, k0, k1, k2, k3, a0, a1, a2, a3):
+    """One dim's products of a row's query value with SCORE_GROUPS vectors of keys, added to its
+    running scores."""
+    q = splat_float(q)
+    a0, a1 = fma_float(q, k0, a0), fma_float(q, k1, a1)
+    if SCORE_GROUPS == 4:
+        a2, a3 = fma_float(q, k2, a2), fma_float(q, k3, a3)
+    return a0, a1, a2, a3
+
+
+@njit(inline="always", cache=True)
+def _group_at(base, g, dims):
+    """Where key group g (WIDTH keys) of a block starts among its runs from element ``base``."""
+    key = g * WIDTH
+    return base + (key // RUN) * dims * RUN + key % RUN
+
+
+@njit(inline="always", cache=True)
+def _scores_two_in_place(qf, keys, base, r, g0, dims, scores):
+    """``_scores_four`` for rows r, r+1, the keys read from the cache's runs where they are (a
+    task of few rows: widening a block first would cost more than its scores); the same sums."""
+    p0, p1 = _group_at(base, g0, dims), _group_at(base, g0 + 1, dims)
+    p2, p3 = _group_at(base, g0 + 2, dims), _group_at(base, g0 + 3, dims)
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zeros_float()
+    for d in range(dims):
+        at = d * RUN
+        k0, k1 = load_widened_all(keys, p0 + at), load_widened_all(keys, p1 + at)
+        if SCORE_GROUPS == 4:
+            k2, k3 = load_widened_all(keys, p2 + at), load_widened_all(keys, p3 + at)
+        else:
+            k2, k3 = k0, k1
+        a0, a1, a2, a3 = _row_step(qf[r, d], k0, k1, k2, k3, a0, a1, a2, a3)
+        b0, b1, b2, b3 = _row_step(qf[r + 1, d], k0, k1, k2, k3, b0, b1, b2, b3)
+    _put_groups(scores, r * KEY_BLOCK + g0 * WIDTH, a0, a1, a2, a3)
+    _put_groups(scores, (r + 1) * KEY_BLOCK + g0 * WIDTH, b0, b1, b2, b3)
+
+
+@njit(inline="always", cache=True)
+def _put_groups(out, at, x0, x1, x2, x3):
+    """SCORE_GROUPS vectors of scores side by side from ``at``."""
+    put_floats(out, at, x0)
+    put_floats(out, at + WIDTH, x1)
+    if SCORE_GROUPS == 4:
+        put_floats(out, at + 2 * WIDTH, x2)
+        put_floats(out, at + 3 * WIDTH, x3)
 
 
 # key groups (WIDTH keys each) a step of the scores takes: sixteen accumulators where there are
 # 32 registers, eight where there are 16
 SCORE_GROUPS = 4 if WIDTH == 16 else 2
-_lane_chains = _lane_chains_four if SCORE_GROUPS == 4 else _lane_chains_two
-assert KEY_BLOCK % (SCORE_GROUPS * WIDTH) == 0, "a step of the scores stays inside its key block"
-
-
-@njit(inline="always", cache=True)
-def _score_block(qf, kt, r, g0, chunks, lane_sums, scores):
-    """Rows r..r+3 against key groups g0.. (SCORE_GROUPS of WIDTH keys, the keys in lanes, from
-    ``kt``, the block's keys turned: dim-major): the scores into ``scores``, each the same sum,
-    bit for bit, as ``_score_pair_from_cache`` makes it. Each lane's chain of products runs on its
-    own (``_lane_chains``); then the lanes i and i + 8 are added where WIDTH is 16, and the
-    eight results in ``simd.sums8_f32``'s tree: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))."""
-    for i in range(WIDTH):
-        _lane_chains(qf, kt, r, g0, i, chunks, lane_sums)
-    for pair in range(4 * SCORE_GROUPS):
-        at = WIDTH * pair
-        l0, l1, l2, l3 = _folded(lane_sums, 0, at), _folded(lane_sums, 1, at), _folded(lane_sums, 2, at), \
-            _folded(lane_sums, 3, at)
-        l4, l5, l6, l7 = _folded(lane_sums, 4, at), _folded(lane_sums, 5, at), _folded(lane_sums, 6, at), \
-            _folded(lane_sums, 7, at)
-        total = add_float(add_float(add_float(l0, l1), add_float(l2, l3)),
-                          add_float(add_float(l4, l5), add_float(l6, l7)))
-        row, group = pair // SCORE_GROUPS, pair % SCORE_GROUPS
-        put_floats(scores, (r + row) * KEY_BLOCK + (g0 + group) * WIDTH, total)
-
-
-@njit(inline="always", cache=True)
-def _folded(lane_sums, i, at):
-    """Lane i of the sums, with lane i + 8's added where WIDTH is 16 (``to_eight``)."""
-    if WIDTH == 16:
-        return add_float(load_floats(lane_sums[i], at), load_floats(lane_sums[i + 8], at))
-    return load_floats(lane_sums[i], at)
-
-
-@njit(inline="always", cache=True)
-def _cache_lanes(rows, kv, start, count, j, at, width):
-    """Lanes at..at+WIDTH-1 of cache row start + j widened as ``_widen_row`` puts them in its
-    scratch (zeros past ``width`` dims or past the ``count`` keys of the block)."""
-    present = j < count
-    return load_widened(rows[kv, start + j] if present else rows[kv, start], at,
-                        max(0, min(WIDTH, width - at)) if present else 0)
-
-
-@njit(inline="always", cache=True)
-def _score_pair_from_cache(qf, keys, kv, start, count, r, j, chunks, scores):
-    """Rows r, r+1 against keys j..j+7 read from the cache where they are: sixteen scores into
-    ``scores[r..r+1, j..j+7]``, each the sum the module's docstring defines. For a task of few rows (a decode
-    step), widening a block into scratch first would cost more than its scores."""
-    head_dim = keys.shape[2]
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zeros_float()
-    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = zeros_float()
-    for c in range(chunks):
-        at = WIDTH * c
-        q0, q1 = load_floats(qf[r], at), load_floats(qf[r + 1], at)
-        k = _cache_lanes(keys, kv, start, count, j, at, head_dim)
-        a0, b0 = fma_float(q0, k, a0), fma_float(q1, k, b0)
-        k = _cache_lanes(keys, kv, start, count, j + 1, at, head_dim)
-        a1, b1 = fma_float(q0, k, a1), fma_float(q1, k, b1)
-        k = _cache_lanes(keys, kv, start, count, j + 2, at, head_dim)
-        a2, b2 = fma_float(q0, k, a2), fma_float(q1, k, b2)
-        k = _cache_lanes(keys, kv, start, count, j + 3, at, head_dim)
-        a3, b3 = fma_float(q0, k, a3), fma_float(q1, k, b3)
-        k = _cache_lanes(keys, kv, start, count, j + 4, at, head_dim)
-        a4, b4 = fma_float(q0, k, a4), fma_float(q1, k, b4)
-        k = _cache_lanes(keys, kv, start, count, j + 5, at, head_dim)
-        a5, b5 = fma_float(q0, k, a5), fma_float(q1, k, b5)
-        k = _cache_lanes(keys, kv, start, count, j + 6, at, head_dim)
-        a6, b6 = fma_float(q0, k, a6), fma_float(q1, k, b6)
-        k = _cache_lanes(keys, kv, start, count, j + 7, at, head_dim)
-        a7, b7 = fma_float(q0, k, a7), fma_float(q1, k, b7)
-    at = r * KEY_BLOCK + j
-    store_f32x8(scores, at, sums8_f32(to_eight(a0), to_eight(a1), to_eight(a2), to_eight(a3), to_eight(a4),
-                                      to_eight(a5), to_eight(a6), to_eight(a7)))
-    store_f32x8(scores, at + KEY_BLOCK, sums8_f32(to_eight(b0), to_eight(b1), to_eight(b2), to_eight(b3),
-                                                  to_eight(b4), to_eight(b5), to_eight(b6), to_eight(b7)))
+assert KEY_BLOCK % (SCORE_GROUPS * WIDTH) == 0 and KEY_BLOCK % RUN == 0 and RUN % WIDTH == 0
 
 
 @njit(inline="always", cache=True)
@@ -392,18 +344,16 @@ def _add_values_from_cache(values, kv, start, weights, r, first_key, last_key, a
         put_floats(o1, at + WIDTH, a3)
 
 
-# No reassociation: rows must add in the orders written (lanes, then a fixed tree), which a
-# reassociating compiler would change; and infinities are real here (a running maximum starts
-# at -inf).
+# No reassociation: rows must add in the orders written, which a reassociating compiler would
+# change; and infinities are real here (a running maximum starts at -inf).
 @njit(fastmath={"nsz", "arcp", "contract", "afn"}, nogil=True, cache=True)
 def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
     """One task of ``causal_attention``: a KV head and a block of query positions."""
     n_tokens, n_head, head_dim = q.shape
     n_kv = keys.shape[0]
-    n_keys = keys.shape[1]
+    n_keys = values.shape[1]
     value_dim = values.shape[2]
     group = n_head // n_kv
-    d_chunks = (head_dim + WIDTH - 1) // WIDTH
     v_steps = (value_dim + VALUE_STEP * WIDTH - 1) // (VALUE_STEP * WIDTH)  # the value sums' steps
     query_blocks = (n_tokens + QUERY_BLOCK - 1) // QUERY_BLOCK
     kv = task % n_kv
@@ -421,15 +371,13 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
     padded = rows + (-rows) % tile
     # row r is token t0 + r // group, head kv * group + r % group; padding repeats the last row
     position = np.empty(padded, dtype=np.int64)
-    qf = np.empty((padded, WIDTH * d_chunks), dtype=np.float32)
+    qf = np.empty((padded, head_dim), dtype=np.float32)
     for r in range(padded):
         real = min(r, rows - 1)
         position[r] = first_pos + t0 + real // group
-        _widen_row(q[t0 + real // group, kv * group + real % group], head_dim, qf, r, d_chunks)
-    kt = np.empty((0 if direct else WIDTH * d_chunks, KEY_BLOCK), dtype=np.float32)
-    lane_sums = np.empty((0 if direct else WIDTH, 4 * SCORE_GROUPS, WIDTH), dtype=np.float32)
-    key_rows = keys[kv]
-    row_stride = key_rows.strides[0] // key_rows.itemsize
+        qf[r] = q[t0 + real // group, kv * group + real % group]
+    key_runs = keys[kv].reshape(-1)  # the head's runs, one after another
+    kt = np.empty((0 if direct else head_dim, KEY_BLOCK), dtype=np.float32)
     vf = np.empty((0 if direct else KEY_BLOCK, VALUE_STEP * WIDTH * v_steps), dtype=np.float32)
     scores = np.empty((padded, KEY_BLOCK), dtype=np.float32)
     acc = np.zeros((padded, VALUE_STEP * WIDTH * v_steps), dtype=np.float32)
@@ -439,15 +387,13 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
     last = first_pos + t1 - 1
     for start in range(lowest - lowest % KEY_BLOCK, last + 1, KEY_BLOCK):
         count = min(KEY_BLOCK, n_keys - start)
-        for g in range(0 if direct else KEY_BLOCK // WIDTH):
-            for c in range(d_chunks):
-                put_transposed(kt, c * KEY_BLOCK + WIDTH * g, d_chunks * KEY_BLOCK, key_rows,
-                               (start + WIDTH * g) * row_stride + WIDTH * c, row_stride, count - WIDTH * g,
-                               head_dim - WIDTH * c)
-        for j in range(0 if direct else KEY_BLOCK):
-            present = j < count
-            _widen_row(values[kv, start + j] if present else values[kv, start], value_dim if present else 0,
-                       vf, j, VALUE_STEP * v_steps)
+        base = start * head_dim  # the block's first run: start // RUN runs of RUN · head_dim values
+        if not direct:
+            _widen_runs(key_runs, base, head_dim, kt)
+            for j in range(KEY_BLOCK):
+                present = j < count
+                _widen_row(values[kv, start + j] if present else values[kv, start], value_dim if present else 0,
+                           vf, j, VALUE_STEP * v_steps)
         # rows are in token order and a span's ends grow with the position: the keys a
         # tile's rows may see run from its first row's lo to its last row's hi
         for r in range(0, padded, tile):
@@ -455,14 +401,13 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
             hi = key_span(start, position[r + tile - 1], window)[1]
             if lo >= hi:
                 continue
-            if direct:
-                for j in range(lo - lo % 8 - start, hi - start, 8):
-                    _score_pair_from_cache(qf, keys, kv, start, count, r, j, d_chunks, scores)
-                continue
             first_group = (lo - start) // WIDTH
             for g0 in range(first_group - first_group % SCORE_GROUPS, (hi - start + WIDTH - 1) // WIDTH,
                             SCORE_GROUPS):
-                _score_block(qf, kt, r, g0, d_chunks, lane_sums, scores)
+                if direct:
+                    _scores_two_in_place(qf, key_runs, base, r, g0, head_dim, scores)
+                else:
+                    _scores_four(qf, kt, r, g0, head_dim, scores)
         for r in range(padded):
             lo, hi = key_span(start, position[r], window)
             if lo < hi:
@@ -487,9 +432,10 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
 
 @njit(parallel=True, nogil=True, cache=True)
 def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
-    """q [T, H, d]; keys [K, L, d]; values [K, L, dv] with L = first_pos + T; out [T, H*dv].
-    The last axis of each array contiguous. Keys and values are float32, or uint16 holding
-    IEEE halves (an f16 cache).
+    """q [T, H, d]; keys [K, runs, d, RUN], the key cache's runs (``kv_cache.key_runs``), at
+    least L keys and a whole number of key blocks of them; values [K, L, dv] with
+    L = first_pos + T; out [T, H*dv]. Keys and values are float32, or uint16 holding IEEE
+    halves (an f16 cache); values' last axis contiguous, keys C-ordered.
 
     Query t (at position first_pos + t) sees key j iff j <= first_pos + t and, when window > 0,
     first_pos + t - j < window. softcap > 0 replaces a score s by softcap * tanh(s / softcap).
@@ -506,16 +452,17 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out):
 @njit(nogil=True, cache=True)
 def store_and_attend(q, k, v, keys, values, first_pos, scale, window, softcap, out):
     """Write this step's k [T, K, d] and v [T, K, dv] at positions first_pos.. of a cache's
-    keys [K, capacity, d] and values [K, capacity, dv] (float32 or f16 bits), then attend
-    (``causal_attention``) over everything up to them."""
+    keys [K, runs, d, RUN] (its runs) and values [K, capacity, dv] (float32 or f16 bits), then
+    attend (``causal_attention``) over everything up to them."""
     n_tokens, n_kv, head_dim = k.shape
     value_dim = v.shape[2]
     for t in range(n_tokens):
+        position = first_pos + t
         for h in range(n_kv):
-            key, value = keys[h, first_pos + t], values[h, first_pos + t]
+            run, value = keys[h, position // RUN], values[h, position]
             for i in range(0, head_dim, 8):
-                store_kv8(key, i, load_f32x8(k[t, h], i))
+                store_kv8_apart(run, i * RUN + position % RUN, RUN, load_f32x8(k[t, h], i))
             for i in range(0, value_dim, 8):
                 store_kv8(value, i, load_f32x8(v[t, h], i))
     end = first_pos + n_tokens
-    return causal_attention(q, keys[:, :end], values[:, :end], first_pos, scale, window, softcap, out)
+    return causal_attention(q, keys, values[:, :end], first_pos, scale, window, softcap, out)

@@ -218,6 +218,25 @@ def store_kv8(typingctx, array, element_offset, value):
 
 
 @intrinsic
+def store_kv8_apart(typingctx, array, element_offset, stride, value):
+    """Write 8 float32 into a KV cache array ``stride`` elements apart from element
+    ``element_offset`` (value i at offset + i·stride), rounded to the nearest half when the
+    array is uint16 (an f16 cache): one key's dims into a run of the key cache."""
+    half = array.dtype == types.uint16
+
+    def codegen(context, builder, sig, args):
+        data = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0]).data
+        values = builder.fptrunc(args[3], ir.VectorType(ir.HalfType(), 8)) if half else args[3]
+        element = ir.HalfType() if half else ir.FloatType()
+        base = builder.bitcast(data, element.as_pointer())
+        for i in range(8):
+            at = builder.add(args[1], builder.mul(args[2], ir.Constant(args[2].type, i)))
+            builder.store(builder.extract_element(values, ir.Constant(ir.IntType(32), i)), builder.gep(base, [at]))
+        return context.get_dummy_value()
+    return types.none(array, element_offset, stride, F32x8), codegen
+
+
+@intrinsic
 def load_f32x8_at(typingctx, array, byte_offset):
     """8 float32 from ``byte_offset`` of a byte array."""
     def codegen(context, builder, sig, args):
