@@ -77,6 +77,10 @@ async def run_server_repeat(base_url: str, work: Workload, repeat: int, sampler:
                 waited += 3.0
             mark = sampler.mark()
 
+        def enter(scenario: str) -> None:
+            if sampler is not None:
+                sampler.phase = scenario
+
         def note_load(scenario: str) -> None:
             if sampler is not None and mark is not None:
                 value = sampler.other_cores(mark)
@@ -84,6 +88,7 @@ async def run_server_repeat(base_url: str, work: Workload, repeat: int, sampler:
 
         for c in plan.concurrency:
             await settle()
+            enter(f"short c={c}")
             bodies = [work.chat(model, [{"role": "user", "content": p}], plan.short_tokens) for p in prompts[:c]]
             results, wall = await run_batch(client, base_url, chat_path, bodies)
             n = plan.short_tokens
@@ -103,6 +108,7 @@ async def run_server_repeat(base_url: str, work: Workload, repeat: int, sampler:
         # long prompt, cold, then the same conversation's next turn
         conversation = work.long_conversation(10_000 * (repeat + 1) + 17)
         await settle()
+        enter("long cold")
         (cold,), _ = await run_batch(client, base_url, chat_path, [work.chat(model, conversation, plan.long_tokens)])
         prompt_tokens = work.prompt_tokens(conversation)
         figs.values["long cold|ttft"] = _ms(cold.ttft)
@@ -113,6 +119,7 @@ async def run_server_repeat(base_url: str, work: Workload, repeat: int, sampler:
         conversation += [{"role": "assistant", "content": cold.text},
                          {"role": "user", "content": "Now list the two riskiest items and say why."}]
         await settle()
+        enter("next turn")
         (nxt,), _ = await run_batch(client, base_url, chat_path, [work.chat(model, conversation, plan.long_tokens)])
         figs.values["next turn|ttft"] = _ms(nxt.ttft)
         figs.values["next turn|decode"] = nxt.decode_rate(plan.long_tokens)
@@ -123,6 +130,7 @@ async def run_server_repeat(base_url: str, work: Workload, repeat: int, sampler:
         if plan.longer_prompt:
             longer = work.long_conversation(10_000 * (repeat + 1) + 29, plan.longer_prompt)
             await settle()
+            enter("longer cold")
             (far,), _ = await run_batch(client, base_url, chat_path, [work.chat(model, longer, 4)])
             longer_tokens = work.prompt_tokens(longer)
             figs.values["longer cold|ttft"] = _ms(far.ttft)
@@ -132,6 +140,7 @@ async def run_server_repeat(base_url: str, work: Workload, repeat: int, sampler:
         if plan.longest_prompt and work.context >= plan.longest_prompt + 64:
             longest = work.long_conversation(10_000 * (repeat + 1) + 31, plan.longest_prompt)
             await settle()
+            enter("longest cold")
             (cold16,), _ = await run_batch(client, base_url, chat_path, [work.chat(model, longest, 4)])
             longest_tokens = work.prompt_tokens(longest)
             figs.values["longest cold|ttft"] = _ms(cold16.ttft)
@@ -143,6 +152,7 @@ async def run_server_repeat(base_url: str, work: Workload, repeat: int, sampler:
             figs.values["memory|chat"] = sampler.peak / 2**20
             figs.values["memory|pss"] = sampler.peak_pss / 2**20
             figs.checks["peak PSS by process (MiB)"] = {k: round(v / 2**20, 1) for k, v in sampler.roles.items()}
+            figs.checks["peak PSS by scenario (MiB)"] = {k: round(v / 2**20, 1) for k, v in sampler.phases.items()}
         # a Claude-Code-shaped session through /v1/messages
         if not plan.claude_code:
             figs.checks["claude-code"] = "skipped (--no-claude-code)"

@@ -19,6 +19,8 @@ class MemorySampler:
         self.peak = 0  # the largest sum of RSS over the process tree
         self.peak_pss = 0  # of PSS: each shared page counted once, split between its processes
         self.roles: dict[str, int] = {}  # each kind of process's largest PSS
+        self.phase = "start"  # what the server is doing (a scenario's name), for ``phases``
+        self.phases: dict[str, int] = {}  # the largest PSS sum during each phase
         self._server_cpu: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -53,6 +55,7 @@ class MemorySampler:
                 pass
         self.peak = max(self.peak, rss)
         self.peak_pss = max(self.peak_pss, pss)
+        self.phases[self.phase] = max(self.phases.get(self.phase, 0), pss)
 
     def _run(self) -> None:
         while not self._stop.is_set():

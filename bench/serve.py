@@ -96,6 +96,7 @@ from bench.servers import (
     SERVERS,
     lmserve_spec,
     peer_spec,
+    settle,
     speculation_variants,
     start_server,
     stop_server,
@@ -284,9 +285,12 @@ def run_model(args: argparse.Namespace, argv: list[str] | None, model: str, plan
                 if name == LMSERVE and cold_start is None:  # a first start: then it stops, and the repeats begin
                     first = start_server(spec, RESULTS / f"serve-{name}.log.tmp")
                     cold_start = first.ready_after  # type: ignore[attr-defined]
+                    # what a first start leaves to compile while it serves is compiled before it stops,
+                    # as on a server that ran for a while: the warm starts below read a full cache
+                    after = settle(first)
                     stop_server(first)
-                    print(f"bench.serve:   lmserve first start (empty kernel cache) ready in {cold_start:.1f} s",
-                          flush=True)
+                    print(f"bench.serve:   lmserve first start (empty kernel cache) ready in {cold_start:.1f} s "
+                          f"(idle {after:.0f} s later)", flush=True)
                 proc = start_server(spec, RESULTS / f"serve-{name}.log.tmp")
                 base_url = spec.base_url
             try:
@@ -387,10 +391,16 @@ def memory_floor(args: argparse.Namespace, model: str, wanted: list[str], peer_b
     """Both servers at their smallest useful setting (a 4096-token context, one KV slot), one
     short request: the peak memory of each (RSS and PSS sums over its processes)."""
     import httpx
+    import tempfile
     figures: dict[str, dict[str, float]] = {}
+    kernel_cache = tempfile.mkdtemp(prefix="lmserve-bench-kernels-")
     for name in wanted:
-        spec = (lmserve_spec(model, 4096, 1, args.threads, kv_slots=1) if name == LMSERVE
+        spec = (lmserve_spec(model, 4096, 1, args.threads, kv_slots=1, kernel_cache=kernel_cache) if name == LMSERVE
                 else peer_spec(peer_bin, model, 4096, 1, args.threads))  # type: ignore[arg-type]
+        if name == LMSERVE:  # measured from a warm start: a first start's compiling is not what it holds
+            first = start_server(spec, RESULTS / f"serve-{name}.log.tmp")
+            settle(first)
+            stop_server(first)
         proc = start_server(spec, RESULTS / f"serve-{name}.log.tmp")
         sampler = MemorySampler(proc.pid).start()
         try:
@@ -402,7 +412,8 @@ def memory_floor(args: argparse.Namespace, model: str, wanted: list[str], peer_b
             stop_server(proc)
         figures[name] = {"rss": sampler.peak / 2**20, "pss": sampler.peak_pss / 2**20,
                          "by_process_pss": {k: round(v / 2**20, 1) for k, v in sampler.roles.items()}}
-    line = "smallest setting (ctx 4096, one slot), peak memory: " + "; ".join(
+    shutil.rmtree(kernel_cache, ignore_errors=True)
+    line = "smallest setting (ctx 4096, one slot, lmserve from a warm kernel cache), peak memory: " + "; ".join(
         f"{n} RSS {f['rss']:.0f} MiB, PSS {f['pss']:.0f} MiB" for n, f in figures.items())
     if LMSERVE in figures and PEER in figures:
         line += (f"; ratio RSS {figures[LMSERVE]['rss'] / figures[PEER]['rss']:.2f}, "

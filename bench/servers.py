@@ -113,6 +113,34 @@ def start_server(spec: ServerSpec, log: Path, timeout: float = 600.0) -> subproc
     raise RuntimeError(f"{spec.name} not ready after {timeout:.0f} s; log {log}:\n{_tail(log)}")
 
 
+def settle(proc: subprocess.Popen, idle_cores: float = 0.1, timeout: float = 180.0) -> float:
+    """Wait until the server's process tree uses at most ``idle_cores`` over a second (a first
+    start's compiling in the background is over); returns the seconds waited."""
+    import psutil
+    started = time.monotonic()
+
+    def cpu() -> float:
+        try:
+            root = psutil.Process(proc.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0.0
+        total = 0.0
+        for p in tree:
+            try:
+                times = p.cpu_times()
+                total += times.user + times.system + times.children_user + times.children_system
+            except psutil.Error:
+                pass
+        return total
+    while time.monotonic() - started < timeout and proc.poll() is None:
+        before = cpu()
+        time.sleep(1.0)
+        if cpu() - before <= idle_cores:
+            break
+    return time.monotonic() - started
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)

@@ -551,3 +551,18 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, seed: int = 0, **overrid
         for key in ("n_expert", "n_expert_used", "n_ff_exp"):
             info.setdefault(key, 0)
     return info
+
+
+def load_tiny(folder: str | os.PathLike, name: str, seed: int = 1):
+    """The engine of a family's tiny model (a TINY_SPECS name, or ``nanochat``, a checkpoint
+    folder), written into ``folder``."""
+    from tiny_nanochat import write_tiny_nanochat
+
+    from worker.engine import Engine
+    folder = os.fspath(folder)
+    if name == "nanochat":
+        write_tiny_nanochat(os.path.join(folder, "nanochat"))
+        return Engine.load(os.path.join(folder, "nanochat"))
+    arch, overrides = TINY_SPECS[name]
+    write_tiny_gguf(os.path.join(folder, f"{name}.gguf"), arch, seed=seed, **overrides)
+    return Engine.load(os.path.join(folder, f"{name}.gguf"))

@@ -46,13 +46,15 @@ def together_else_alone(items: Sequence[Item], stream_of: Callable[[Item], Strea
 
 
 def forward(model: DecoderModel, batch: list[tuple[Stream, list[int]]], fail: Fail,
-            tails: dict[int, int] | None = None, readers: dict[int, Drafter] | None = None) -> list[np.ndarray | None]:
+            tails: dict[int, int] | None = None, readers: dict[int, Drafter] | None = None,
+            best: dict[int, tuple[np.ndarray, np.ndarray]] | None = None) -> list[np.ndarray | None]:
     """One weight pass for the batch, each stream's tokens appended to its cache; per stream the
     last row's logits, or its last ``tails[id(stream)]`` rows' where that is given (a stream
-    verifying drafts), and the final states of its rows to ``readers[id(stream)]`` where that
-    is given (a drafter that reads them). Retried stream by stream from the caches' checkpoints."""
+    verifying drafts), their largest biased logits' indices instead for the streams in ``best``
+    (greedy ones, with their logit bias), and the final states of its rows to ``readers[id(stream)]`` where that is given (a
+    drafter that reads them). Retried stream by stream from the caches' checkpoints."""
     checkpoints = [s.slot.cache.checkpoint() for s, _ in batch] if len(batch) > 1 else []
-    tails, readers = tails or {}, readers or {}
+    tails, readers, best = tails or {}, readers or {}, best or {}
 
     def roll_back() -> None:
         for (stream, _), checkpoint in zip(batch, checkpoints):
@@ -62,7 +64,8 @@ def forward(model: DecoderModel, batch: list[tuple[Stream, list[int]]], fail: Fa
         starts = [s.slot.cache.length for s, _ in items]
         states: list[np.ndarray] | None = [] if any(id(s) in readers for s, _ in items) else None
         logits = model.forward([(s.slot.cache, toks) for s, toks in items],
-                               tails=[tails.get(id(s), 1) for s, _ in items], hidden_out=states)
+                               tails=[tails.get(id(s), 1) for s, _ in items], hidden_out=states,
+                               best=[best.get(id(s)) for s, _ in items] if best else None)
         for (stream, _), at, rows in zip(items, starts, states or ()):
             if id(stream) in readers:
                 readers[id(stream)].took(at, rows)

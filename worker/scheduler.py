@@ -290,8 +290,9 @@ class Scheduler:
         # a prompt being scored needs the logits of all its rows: it goes through a pass of its own
         scored = [(s, toks) for s, toks in batch if s.scores is not None and s.pending]
         plain = [(s, toks) for s, toks in batch if not (s.scores is not None and s.pending)]
-        tails, readers = self.decoding.passing(plain)  # drafts to verify, drafters reading the states
-        by_stream = dict(zip((id(s) for s, _ in plain), passes.forward(self.engine.model, plain, failed, tails, readers) if plain else []))
+        tails, readers, best = self.decoding.passing(plain)  # drafts to verify, drafters reading the states
+        by_stream = dict(zip((id(s) for s, _ in plain),
+                             passes.forward(self.engine.model, plain, failed, tails, readers, best) if plain else []))
         for stream, tokens in scored:
             by_stream[id(stream)] = passes.score(self.engine.model, stream, tokens, failed)
         denoised = self.blocks.denoise(denoising) if denoising else []

@@ -101,6 +101,8 @@ class ScriptedSampler(Sampler):
         self.queue: deque[int] | None = None  # chosen at the first step, in the order streams start
         self.then_sample = False
 
+    greedy = False  # the script chooses, from the logits' rows
+
     def sample(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> SampledToken:
         queue = self.reply()
         if not queue and self.then_sample:

@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 from tiny_models import MTP_FIXTURES, TINY_SPECS, write_tiny_gguf
-from tiny_nanochat import write_tiny_nanochat
+from tiny_models import load_tiny as tiny_engine
 
 from shared.errors import LmserveError
 from shared.protocol import Finished, Generate, Grammar, Tokens
 from shared.sampling_params import SamplingParams
-from worker.engine import Engine
+from worker.engine import Engine, panels
+from worker.engine.model import DecoderModel
+from worker.engine.sampling import Sampler
 from worker.scheduler import Scheduler, SchedulerSettings
 from worker.speculation import Blind, MtpDrafter, NgramIndex, SpeculationSettings
 
@@ -93,13 +95,7 @@ def looping_prompts(n_vocab: int, count: int) -> list[list[int]]:
 
 
 def load_tiny(tmp_path_factory, name: str) -> Engine:
-    folder = tmp_path_factory.mktemp(name)
-    if name == "nanochat":
-        write_tiny_nanochat(folder / "nanochat")
-        return Engine.load(folder / "nanochat")
-    arch, overrides = TINY_SPECS[name]
-    write_tiny_gguf(folder / f"{name}.gguf", arch, seed=1, **overrides)
-    return Engine.load(folder / f"{name}.gguf")
+    return tiny_engine(tmp_path_factory.mktemp(name), name)
 
 
 class Oracle(Blind):
@@ -152,11 +148,24 @@ def check_lossless(engine, requests, oracle, batches=(1, 3), grammar=None, refus
 
 
 @pytest.mark.parametrize("name", AUTOREGRESSIVE + ["nanochat"])
-def test_every_family_writes_the_same_greedy_replies_with_and_without_speculation(tmp_path_factory, oracle, name):
+def test_every_family_writes_the_same_greedy_replies_with_and_without_speculation(tmp_path_factory, oracle, name,
+                                                                                  monkeypatch):
+    """Greedy streams verify their drafts by each row's largest logit, a logit bias added, the
+    head a slice of the vocabulary at a time (``DecoderModel.head``; slices of three panels
+    here, so a tiny vocabulary meets several): the replies are the ones decoding without drafts
+    writes."""
+    monkeypatch.setattr(DecoderModel, "HEAD_SLICE", 3 * panels.PANEL)
+    taken = Counter()
+    take = Sampler.take
+    monkeypatch.setattr(Sampler, "take", lambda self, token: taken.update([1]) or take(self, token))
     engine = load_tiny(tmp_path_factory, name)
-    prompts = looping_prompts(engine.model.hp.n_vocab, 3)
-    check_lossless(engine, [Generate(f"r{i}", p, SamplingParams(temperature=0.0), 30, stop_ids=[])
-                            for i, p in enumerate(prompts)], oracle)
+    n_vocab = engine.model.hp.n_vocab
+    prompts = looping_prompts(n_vocab, 3)
+    # the second stream's bias lifts an entry of the last slice and bans two (one in the first)
+    biases = [{}, {n_vocab - 2: 3.0, 1: -100.0, n_vocab // 2: -100.0, n_vocab + 5: 9.0}, {}]
+    check_lossless(engine, [Generate(f"r{i}", p, SamplingParams(temperature=0.0, logit_bias=bias), 30, stop_ids=[])
+                            for i, (p, bias) in enumerate(zip(prompts, biases))], oracle)
+    assert taken[1] > 0, "verified rows came back as choices, not logits"
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,15 @@ from worker.engine import kernels, ops
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels import fused, rowwise
 from worker.engine.kv_cache import KV_TYPES, KVCache
-from worker.engine.weights import FLOAT_KERNELS, MatmulInput, PanelWeight, QuantizedWeight, Weight, kernel_kind
+from worker.engine.weights import (
+    FLOAT_KERNELS,
+    DenseWeight,
+    MatmulInput,
+    PanelWeight,
+    QuantizedWeight,
+    Weight,
+    kernel_kind,
+)
 
 
 @dataclass(frozen=True)
@@ -549,7 +557,8 @@ class DecoderModel:
 
     def forward(self, steps: list[tuple[KVCache, list[int]]], all_logits: bool = False,
                 hidden: bool = False, tails: list[int] | None = None,
-                hidden_out: list[np.ndarray] | None = None) -> list[np.ndarray]:
+                hidden_out: list[np.ndarray] | None = None,
+                best: list[tuple[np.ndarray, np.ndarray] | None] | None = None) -> list[np.ndarray]:
         """Feed each sequence its new tokens in one weight pass; return logits per sequence.
 
         Logits are [n_vocab] for a sequence's last new token, or [T_s, n_vocab] for all of its
@@ -558,8 +567,11 @@ class DecoderModel:
         more to come, whose logits nobody reads: [0, n_vocab], the head not applied). With
         ``hidden``, the final RMSNorm's output [n_embd] stands in for the logits (what a fleet's
         index embeds). A ``hidden_out`` list gets, per sequence, that output for every one of its
-        new tokens [T_s, n_embd] (what a multi-token-prediction draft reads). Each cache grows by
-        its tokens.
+        new tokens [T_s, n_embd] (what a multi-token-prediction draft reads). Where ``best[s]``
+        is a logit bias (token ids, values; both may be empty), a sequence gets instead of its
+        rows' logits the index of each row's largest biased one (int64 [tails[s]], or a scalar
+        for one row): a greedy stream's verified rows, without a row of the vocabulary's size
+        each (``head``). Each cache grows by its tokens.
         """
         spans, positions, token_ids = [], [], []
         row = 0
@@ -590,17 +602,76 @@ class DecoderModel:
             tails = [end - start for start, end in spans]
         tails = tails or [1] * len(spans)
         rows = np.concatenate([np.arange(end - tail, end) for (_, end), tail in zip(spans, tails)])
+        ends = np.cumsum(tails)
+        if best is not None and any(b is not None for b in best) and not hidden and len(rows):
+            wanted = [b is not None for b in best]
+            keep = np.repeat(~np.asarray(wanted), tails)
+            biases = [(end - tail, end, *bias) for end, tail, bias in zip(ends, tails, best)
+                      if bias is not None and len(bias[0]) and tail]
+            logits, chosen = self.head(x[rows], keep, biases)
+            kept = np.cumsum(np.where(wanted, 0, tails))
+            return [(chosen[end - tail:end] if tail != 1 else chosen[end - 1]) if chooses else
+                    (logits[at - tail:at] if all_logits or tail != 1 else logits[at - 1])
+                    for end, at, tail, chooses in zip(ends, kept, tails, wanted)]
         if not len(rows):  # every sequence still reading its prompt: no head to apply
             logits = np.empty((0, self.hp.n_embd if hidden else self.hp.n_vocab), dtype=np.float32)
         else:
             logits = ops.rms_norm(x[rows], self.output_norm, self.hp.rms_eps) if hidden else self.logits(x[rows])
-        ends = np.cumsum(tails)
         return [logits[end - tail:end] if all_logits or tail != 1 else logits[end - 1]
                 for end, tail in zip(ends, tails)]
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         # rows contiguous again: each sequence's logits are read as one vector
-        return np.ascontiguousarray(ops.linear(ops.rms_norm(x, self.output_norm, self.hp.rms_eps), self.output))
+        return np.ascontiguousarray(self.head_output(ops.linear(self.head_input(x), self.output), 0))
+
+    def head_input(self, x: np.ndarray) -> np.ndarray:
+        """What meets the output matrix: the final norm of the rows."""
+        return ops.rms_norm(x, self.output_norm, self.hp.rms_eps)
+
+    def head_output(self, products: np.ndarray, start: int) -> np.ndarray:
+        """The logits of the vocabulary's entries from ``start`` on, from their products with the
+        head's input (what a family does to each, a soft cap say; column by column)."""
+        return products
+
+    HEAD_SLICE = 8192  # output rows of the head a slice of ``head`` multiplies at once
+
+    def head(self, x: np.ndarray, keep: np.ndarray,
+             biases: list[tuple[int, int, np.ndarray, np.ndarray]] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """The logits of the rows ``keep`` marks, and every row's best entry (its largest logit,
+        the first of equals: ``np.argmax``'s), the head applied a slice of the vocabulary at a
+        time: the rows not kept take no row of the vocabulary's size. Each logit is the one
+        ``logits`` gives (a product's numbers do not depend on which outputs come with it), so
+        a greedy choice is the same. ``biases``: (first row, end row, token ids, values) added to
+        those rows' logits before they are compared, as the sampler adds a logit bias (rows not
+        kept). A head whose product sums a row by BLAS (``DenseWeight``'s exact one, whose order
+        can depend on the outputs) takes the whole vocabulary at once."""
+        if isinstance(self.output, DenseWeight) and self.output.exact:
+            logits = self.logits(x)
+            kept = logits[keep]
+            for first, end, ids, values in biases:
+                inside = (ids >= 0) & (ids < logits.shape[1])
+                logits[first:end, ids[inside]] += values[inside]
+            return kept, np.argmax(logits, axis=1)
+        inputs = MatmulInput(self.head_input(x))
+        rows = np.arange(len(x))
+        chosen = np.zeros(len(x), dtype=np.int64)
+        top = np.full(len(x), -np.inf, dtype=np.float32)
+        kept: list[np.ndarray] = []
+        for start in range(0, self.output.shape[0], self.HEAD_SLICE):
+            part = self.head_output(ops.linear(inputs, self.output.row_range(
+                start, min(start + self.HEAD_SLICE, self.output.shape[0]))), start)
+            if not part.shape[1]:
+                break
+            kept.append(part[keep])
+            for first, end, ids, values in biases:
+                inside = (ids >= start) & (ids < start + part.shape[1])
+                part[first:end, ids[inside] - start] += values[inside]
+            at = np.argmax(part, axis=1)
+            value = part[rows, at]
+            # strictly larger: an earlier slice keeps a tie, as argmax keeps the first; a NaN wins
+            better = (value > top) | (np.isnan(value) & ~np.isnan(top))
+            chosen[better], top[better] = at[better] + start, value[better]
+        return np.ascontiguousarray(np.concatenate(kept, axis=1)), chosen
 
     def held_weights(self) -> list:
         """Every tensor the model holds, each once (a tied output is the embedding)."""

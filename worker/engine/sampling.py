@@ -36,6 +36,27 @@ class Sampler:
         self.recent: list[int] = list(prompt_tokens or [])[-params.repetition_window:]
         self.generated = Counter()
 
+    @property
+    def greedy(self) -> bool:
+        """Whether the token is always the largest biased logit's and nothing else of the logits
+        is reported (no penalty or logprobs): a pass may give the choice instead of the logits
+        (``take``), the bias (``bias``) added where ``adjusted_logits`` adds it."""
+        p = self.params
+        return (p.temperature == 0 and p.repetition_penalty == 1.0 and not p.presence_penalty
+                and not p.frequency_penalty and not p.logprobs and not p.top_logprobs)
+
+    @property
+    def bias(self) -> tuple[np.ndarray, np.ndarray]:
+        """The logit bias as token ids and float32 values (empty where there is none)."""
+        bias = self.params.logit_bias
+        return (np.fromiter(bias.keys(), dtype=np.int64, count=len(bias)),
+                np.fromiter(bias.values(), dtype=np.float32, count=len(bias)))
+
+    def take(self, token_id: int) -> SampledToken:
+        """A greedy choice made from the logits elsewhere (``greedy``), as ``sample`` makes it."""
+        self.accept(token_id)
+        return SampledToken(token_id, 0.0, [])
+
     def accept(self, token_id: int) -> None:
         self.generated[token_id] += 1
         self.recent.append(token_id)

@@ -19,6 +19,8 @@ the Q, K and V projections (or gate and up) share one quantization of their inpu
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
@@ -195,6 +197,16 @@ class PanelWeight:
         acts = as_input(x).quantized
         out = np.empty((acts.values.shape[0], self.shape[0]), dtype=np.float32)
         return self.kernel(self.panels, *acts.parts, out)
+
+    def row_range(self, start: int, stop: int) -> PanelWeight:
+        """Output rows [start, stop), ``start`` a multiple of ``panels.PANEL``: a view of the panels
+        holding them."""
+        if start % panels.PANEL:
+            raise ValueError(f"a panel weight's rows are taken from a multiple of {panels.PANEL}, not {start}")
+        part = copy.copy(self)
+        part.shape = (stop - start, self.shape[1])
+        part.panels = self.panels[start // panels.PANEL:-(-stop // panels.PANEL)]
+        return part
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows ``ids`` as float32 [len(ids), n_in] (an embedding lookup of a tied head)."""

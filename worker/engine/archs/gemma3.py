@@ -68,5 +68,5 @@ class Gemma3Model(DecoderModel):
                             self.activation)
         return x + ops.rms_norm(ffn, layer["post_ffw_norm"], eps)
 
-    def logits(self, x: np.ndarray) -> np.ndarray:
-        return ops.softcap(super().logits(x), self.softcap)
+    def head_output(self, products: np.ndarray, start: int) -> np.ndarray:
+        return ops.softcap(products, self.softcap)

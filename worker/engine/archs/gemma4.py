@@ -253,5 +253,5 @@ class Gemma4Model(DecoderModel):
         """What multiplies a layer's output (``layer_output_scale``; None: nothing)."""
         return layer.get("output_scale")
 
-    def logits(self, x: np.ndarray) -> np.ndarray:
-        return ops.softcap(super().logits(x), self.softcap)
+    def head_output(self, products: np.ndarray, start: int) -> np.ndarray:
+        return ops.softcap(products, self.softcap)

@@ -174,13 +174,15 @@ class InklingModel(DecoderModel):
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         return ops.rms_norm(super().embed(token_ids), self.embed_norm, self.hp.rms_eps)
 
-    def logits(self, x: np.ndarray) -> np.ndarray:
+    def head_input(self, x: np.ndarray) -> np.ndarray:
         family: InklingShape = self.hp.family
-        h = ops.rms_norm(x, self.output_norm, self.hp.rms_eps) * np.float32(1.0 / family.logit_scale_denom)
-        logits = np.ascontiguousarray(ops.linear(h, self.output))
-        if 0 < family.unpadded_vocab < logits.shape[-1]:
-            logits[..., family.unpadded_vocab:] = -np.inf
-        return logits
+        return ops.rms_norm(x, self.output_norm, self.hp.rms_eps) * np.float32(1.0 / family.logit_scale_denom)
+
+    def head_output(self, products: np.ndarray, start: int) -> np.ndarray:
+        unpadded = self.hp.family.unpadded_vocab
+        if 0 < unpadded < start + products.shape[1]:  # the padding's entries are never chosen
+            products[:, max(0, unpadded - start):] = -np.inf
+        return products
 
     # --- the block -------------------------------------------------------------------------------
 

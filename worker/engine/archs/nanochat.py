@@ -137,7 +137,9 @@ class NanochatModel(DecoderModel):
                 x = x - self.backout_lambda[0] * inputs["middle"]
         return x
 
-    def logits(self, x: np.ndarray) -> np.ndarray:
-        x = ops.rms_norm(x, None, self.hp.rms_eps)
-        logits = ops.linear(x, self.output)[:, :self.hp.n_vocab]
-        return np.ascontiguousarray(ops.softcap(logits, self.softcap))
+    def head_input(self, x: np.ndarray) -> np.ndarray:
+        return ops.rms_norm(x, None, self.hp.rms_eps)
+
+    def head_output(self, products: np.ndarray, start: int) -> np.ndarray:
+        # the head's rows past the vocabulary (padding) give no logits
+        return ops.softcap(products[:, :max(0, self.hp.n_vocab - start)], self.softcap)
