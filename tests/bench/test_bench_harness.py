@@ -231,3 +231,21 @@ def test_memory_is_read_per_process_and_named_by_its_part() -> None:
     assert memory.process_role([python, "-m", "launcher.supervised", "1", "gateway"]) == "gateway"
     assert memory.process_role([python, "-m", "launcher.cli", "serve", "m.gguf"]) == "launcher"
     assert memory.process_role(["/build/bin/llama-server", "-m", "m.gguf"]) == "llama-server"
+
+
+def test_settle_waits_until_the_server_tree_stops_computing(tmp_path):
+    """A first start's compiling goes on after it answers: ``settle`` returns only once the
+    process tree is idle (here a child that computes, then writes a file and sleeps)."""
+    import subprocess
+    import sys
+
+    from bench.servers import settle, stop_server
+    done = tmp_path / "done"
+    script = ("import time, pathlib\nend = time.monotonic() + 2.5\nwhile time.monotonic() < end: pass\n"
+              f"pathlib.Path({str(done)!r}).write_text('x')\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        settle(proc, timeout=30)
+        assert done.exists(), "settle returned while the process still computed"
+    finally:
+        stop_server(proc)
