@@ -51,8 +51,9 @@ def forward(model: DecoderModel, batch: list[tuple[Stream, list[int]]], fail: Fa
     """One weight pass for the batch, each stream's tokens appended to its cache; per stream the
     last row's logits, or its last ``tails[id(stream)]`` rows' where that is given (a stream
     verifying drafts), their largest biased logits' indices instead for the streams in ``best``
-    (greedy ones, with their logit bias), and the final states of its rows to ``readers[id(stream)]`` where that is given (a
-    drafter that reads them). Retried stream by stream from the caches' checkpoints."""
+    (greedy ones, with their logit bias), and the final states of its rows to
+    ``readers[id(stream)]`` where that is given (a drafter that reads them). Retried stream by
+    stream from the caches' checkpoints."""
     checkpoints = [s.slot.cache.checkpoint() for s, _ in batch] if len(batch) > 1 else []
     tails, readers, best = tails or {}, readers or {}, best or {}
 

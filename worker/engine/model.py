@@ -645,23 +645,11 @@ class DecoderModel:
         those rows' logits before they are compared, as the sampler adds a logit bias (rows not
         kept). A head whose product sums a row by BLAS (``DenseWeight``'s exact one, whose order
         can depend on the outputs) takes the whole vocabulary at once."""
-        if isinstance(self.output, DenseWeight) and self.output.exact:
-            logits = self.logits(x)
-            kept = logits[keep]
-            for first, end, ids, values in biases:
-                inside = (ids >= 0) & (ids < logits.shape[1])
-                logits[first:end, ids[inside]] += values[inside]
-            return kept, np.argmax(logits, axis=1)
-        inputs = MatmulInput(self.head_input(x))
         rows = np.arange(len(x))
         chosen = np.zeros(len(x), dtype=np.int64)
         top = np.full(len(x), -np.inf, dtype=np.float32)
         kept: list[np.ndarray] = []
-        for start in range(0, self.output.shape[0], self.HEAD_SLICE):
-            part = self.head_output(ops.linear(inputs, self.output.row_range(
-                start, min(start + self.HEAD_SLICE, self.output.shape[0]))), start)
-            if not part.shape[1]:
-                break
+        for start, part in self._head_slices(x):
             kept.append(part[keep])
             for first, end, ids, values in biases:
                 inside = (ids >= start) & (ids < start + part.shape[1])
@@ -672,6 +660,19 @@ class DecoderModel:
             better = (value > top) | (np.isnan(value) & ~np.isnan(top))
             chosen[better], top[better] = at[better] + start, value[better]
         return np.ascontiguousarray(np.concatenate(kept, axis=1)), chosen
+
+    def _head_slices(self, x: np.ndarray):
+        """(first entry, logits of the entries from there) for ``head``, slice by slice."""
+        if isinstance(self.output, DenseWeight) and self.output.exact:
+            yield 0, self.logits(x)
+            return
+        inputs = MatmulInput(self.head_input(x))
+        for start in range(0, self.output.shape[0], self.HEAD_SLICE):
+            part = self.head_output(ops.linear(inputs, self.output.row_range(
+                start, min(start + self.HEAD_SLICE, self.output.shape[0]))), start)
+            if not part.shape[1]:
+                return
+            yield start, part
 
     def held_weights(self) -> list:
         """Every tensor the model holds, each once (a tied output is the embedding)."""

@@ -68,9 +68,9 @@ class Sampler:
         p = self.params
         out = logits.astype(np.float32, copy=True)
         if p.logit_bias:
-            ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64)
+            ids, values = self.bias
             keep = (ids >= 0) & (ids < out.shape[0])
-            out[ids[keep]] += np.fromiter(p.logit_bias.values(), dtype=np.float32)[keep]
+            out[ids[keep]] += values[keep]
         if p.repetition_penalty != 1.0 and self.recent:
             ids = np.unique(np.asarray(self.recent, dtype=np.int64))
             vals = out[ids]
