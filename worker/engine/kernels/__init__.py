@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import secrets
 from pathlib import Path
 
 REQUIRED_FEATURES = ("avx2", "fma", "f16c")
@@ -43,6 +44,22 @@ def _use_cache_of_these_sources() -> None:
 
     base = os.environ.get("NUMBA_CACHE_DIR") or str(cache_dir() / "kernels")
     numba.config.CACHE_DIR = cache_directory(list(Path(__file__).parent.glob("*.py")), base, use_tiles())
+    _name_compiled_functions_apart()
+
+
+def _name_compiled_functions_apart() -> None:
+    """Give each function numba compiles a random id instead of its process's count.
+
+    numba names compiled code by the function's qualified name, that id and its argument types
+    (a record type by another count of its process), and cached code keeps those names (numba
+    issue 10486). Processes that compile the same calls in the same order, as the compile-ahead
+    helpers and two starts on two files do, give different code one name; a process that loads
+    both from the cache links the name to one body, and a step on one weight type ran another
+    type's product (NaN logits on a Q8_0 file after a gemma-3-270m start). 63 random bits per
+    function make the names of different processes differ."""
+    from numba.core.bytecode import FunctionIdentity
+
+    FunctionIdentity._unique_ids = iter(functools.partial(secrets.randbits, 63), None)
 
 
 @functools.cache
