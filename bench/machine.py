@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,12 +28,21 @@ def cpu_has_amx_int8() -> bool:
     return "amx_int8" in cpu_flags()
 
 
+_GEMM_PROBE = """
+from worker.engine import kernels
+print("AMX tiles for 16-row blocks" if kernels.available() and kernels.use_tiles() else "vectors")
+"""
+
+
+@functools.cache
 def lmserve_gemm() -> str:
     """Which loops lmserve's GEMM takes on this machine: the tile unit (AMX) for blocks of 16
-    rows, or the vector loops alone (``worker.engine.kernels.use_tiles``)."""
-    from worker.engine import kernels
-
-    return "AMX tiles for 16-row blocks" if kernels.available() and kernels.use_tiles() else "vectors"
+    rows, or the vector loops alone (``worker.engine.kernels.use_tiles``). Asked of a child
+    process: the bench's own process keeps numba and LLVM out, as its pages of LLVM's library
+    would stay resident in the worker it measures (see ``worker.engine``)."""
+    done = subprocess.run([sys.executable, "-c", _GEMM_PROBE], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parent.parent)
+    return done.stdout.strip()
 
 
 def machine_facts() -> dict[str, Any]:

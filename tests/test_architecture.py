@@ -68,6 +68,11 @@ FOREIGN_PRIVATE = {
     "_attn_implementation",  # transformers: which attention a model runs
     "_fields", "_asdict", "_replace", "_make",  # a named tuple's own API, underscored to stay out of its fields' way
 }
+# private attributes of other libraries replaced to work around a bug of theirs that is named
+# where it is done (and held by a test that fails without it)
+FOREIGN_WORKAROUNDS = {
+    "_unique_ids",  # numba issue 10486: compiled functions named by a count of their process
+}
 
 
 def test_no_module_uses_another_modules_private_names():
@@ -82,7 +87,7 @@ def test_no_module_uses_another_modules_private_names():
                 wrong += [f"{path.relative_to(REPO)}:{node.lineno} imports {alias.name} from {node.module}"
                           for alias in node.names if private(alias.name)]
             elif (isinstance(node, ast.Attribute) and private(node.attr) and not own_attribute(node.value)
-                  and node.attr not in FOREIGN_PRIVATE):
+                  and node.attr not in FOREIGN_PRIVATE | FOREIGN_WORKAROUNDS):
                 wrong.append(f"{path.relative_to(REPO)}:{node.lineno} uses {ast.unparse(node)}")
     assert not wrong, "private names used from outside their module:\n" + "\n".join(wrong)
 

@@ -25,7 +25,7 @@ import struct
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
@@ -33,8 +33,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
 from shared.errors import ModelLoadError
 from shared.gguf_names import split_part_paths
 from shared.tokenizer_spec import PackedStrings, character_starts, cut_between_characters
-from worker.engine import kernels, q2_0
-from worker.engine.weights import DenseWeight, QuantizedWeight, Weight, has_kernel, row_bytes
+from worker.engine import q2_0
+
+if TYPE_CHECKING:
+    from worker.engine.weights import Weight
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -339,7 +341,12 @@ class GGUFFile:
 
     def weight(self, name: str, shape: tuple[int, ...] | None = None, dense: bool = False) -> Weight:
         """A weight matrix (or a stack of them) for ``x @ Wᵀ``: read in place from the file when
-        a kernel serves its type, else (or with ``dense``) dequantized to float32 here."""
+        a kernel serves its type, else (or with ``dense``) dequantized to float32 here. The
+        kernels (numba) are imported here, not with the module: reading a header or a vocabulary
+        does not load them (see ``worker.engine``)."""
+        from worker.engine import kernels
+        from worker.engine.weights import DenseWeight, QuantizedWeight, has_kernel, row_bytes
+
         info, qtype, raw = self._checked(name, shape)
         if dense or len(info.shape) < 2 or not kernels.available() or not has_kernel(qtype, info.shape[-1]):
             if not dense and name not in self.dense_fallbacks and len(info.shape) >= 2:
