@@ -14,10 +14,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from worker.engine import kernels
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels need AVX2, FMA and F16C")
 
@@ -53,7 +56,7 @@ for name in sys.argv[1:]:
 def _run(cache: str, *types: str) -> dict[str, float]:
     env = dict(os.environ, NUMBA_CACHE_DIR=cache)
     done = subprocess.run([sys.executable, "-c", CHILD, *types], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                          timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     return {name: float(error) for name, error in (line.split() for line in done.stdout.split("\n") if line)}
 

@@ -55,7 +55,7 @@ def _name_compiled_functions_apart() -> None:
     issue 10486). Processes that compile the same calls in the same order, as the compile-ahead
     helpers and two starts on two files do, give different code one name; a process that loads
     both from the cache links the name to one body, and a step on one weight type ran another
-    type's product (NaN logits on a Q8_0 file after a gemma-3-270m start). 63 random bits per
+    type's product (NaN logits from a Q8_0 model in a process that had run gemma-3-270m). 63 random bits per
     function make the names of different processes differ."""
     from numba.core.bytecode import FunctionIdentity
 
