@@ -262,6 +262,7 @@ class Scheduler:
             stream.cached = cached - stream.prefix  # of the conversation's own tokens
             stream.pending = list(stream.held[cached:])
             cache.resumable_at = len(stream.held) - 1  # the next turn goes on from this prompt
+            cache.prompt_end = len(stream.held)
             cache.reserve(len(stream.pending))  # grown once, not chunk by chunk
             with self.lock:
                 self.running.append(stream)

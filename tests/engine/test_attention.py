@@ -14,6 +14,7 @@ from numba import njit
 from worker.engine import kernels, ops
 from worker.engine.kernels import attention
 from worker.engine.kernels.simd import load_f32x8, store_f32x8
+from worker.engine.kernels.wide_simd import WIDTH, load_floats, put_bf16
 from worker.engine.kv_cache import key_runs, keys_of_runs
 
 
@@ -84,10 +85,78 @@ def test_compiled_attention_matches_the_reference(n_tokens, first_pos, window, s
     q = rng.standard_normal((n_tokens, n_kv * group, head_dim), dtype=np.float32)
     out = np.empty((n_tokens, n_kv * group * value_dim), dtype=np.float32)
     got = attention.causal_attention(q, key_runs(keys), values, first_pos, np.float32(0.2), window or 0,
-                                     np.float32(softcap or 0.0), out)
+                                     np.float32(softcap or 0.0), out, False)
     want = reference(q, keys, values, first_pos, 0.2, window, softcap)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(ops.causal_attention(q, keys, values, first_pos, 0.2, window, softcap), got)
+
+
+def bfloat16(a: np.ndarray) -> np.ndarray:
+    """Each value rounded to the nearest bfloat16 (ties to the even one), as float32: chosen by
+    distance from the two bfloat16 neighbours, not by the kernels' bit arithmetic."""
+    a = np.asarray(a, dtype=np.float32)
+    down = (a.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)  # toward zero
+    up = (down.view(np.uint32) + np.uint32(0x10000)).view(np.float32)  # the next one away from zero
+    gap_down = np.abs(a.astype(np.float64) - down)
+    gap_up = np.abs(up.astype(np.float64) - a)
+    even_down = (down.view(np.uint32) >> 16) % 2 == 0
+    return np.where((gap_down < gap_up) | ((gap_down == gap_up) & even_down), down, up)
+
+
+@njit
+def _rounded_by_the_kernels(x):
+    out = np.empty(x.shape[0], dtype=np.uint16)
+    for i in range(0, x.shape[0], 16):
+        put_bf16(out, i, load_floats(x, i))
+    return out
+
+
+@pytest.mark.skipif(WIDTH != 16, reason="bfloat16 lanes are 512-bit vectors' (the tile unit's path)")
+def test_bfloat16_rounding_is_to_nearest_ties_to_even():
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(4096) * 10.0 ** rng.integers(-30, 30, 4096)).astype(np.float32)
+    ties = (x.view(np.uint32) & np.uint32(0xFFFF0000)) | np.uint32(0x8000)  # exactly between two
+    few = np.float32([0.0, -0.0, 1.0, -3.5, 65504.0, 1.00390625, 1.01171875, 3.0e38] + [0.5] * 8)
+    x = np.concatenate([x, ties.view(np.float32), few])  # whole vectors of 16
+    got = (_rounded_by_the_kernels(x).astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(got, bfloat16(x))
+
+
+needs_tile_attention = pytest.mark.skipif(not attention.TILED, reason="the tile path needs AMX-BF16 (and AMX-INT8)")
+
+
+@needs_tile_attention
+@pytest.mark.parametrize("n_tokens, first_pos, window, softcap, head_dim, value_dim, group", [
+    (1, 0, None, None, 64, 64, 3),       # the first token, one tile of rows mostly padding
+    (1, 150, None, None, 128, 128, 2),   # one row per head over three key blocks
+    (37, 0, None, None, 64, 64, 3),      # a prompt: 111 rows, a partial last tile
+    (37, 150, None, None, 256, 32, 4),   # a chunk after a prefix; gemma's 256-dim heads
+    (21, 100, 50, None, 32, 16, 1),      # a sliding window that starts inside a key block
+    (5, 70, None, 30.0, 64, 48, 3),      # soft-capped scores, values three tiles wide
+])
+def test_tile_attention_matches_the_reference_on_bfloat16_inputs(n_tokens, first_pos, window, softcap, head_dim,
+                                                               value_dim, group):
+    """The tile unit's path rounds queries, keys, values and the softmax's weights to bfloat16
+    and sums in float32: it agrees with the float64 reference of the rounded inputs to what
+    rounding the weights moves (each by at most 2^-9 of itself, and their sum with them: an
+    output by at most 2^-8 of the largest value), and with the float32 path to a bfloat16's step."""
+    rng = np.random.default_rng(n_tokens * 1000 + first_pos)
+    n_kv = 2
+    n_keys = first_pos + n_tokens
+    keys = rng.standard_normal((n_kv, n_keys + 5, head_dim), dtype=np.float32)[:, :n_keys]
+    values = rng.standard_normal((n_kv, n_keys + 5, value_dim), dtype=np.float32)[:, :n_keys]
+    q = rng.standard_normal((n_tokens, n_kv * group, head_dim), dtype=np.float32)
+
+    def attend(tiled):
+        out = np.empty((n_tokens, n_kv * group * value_dim), dtype=np.float32)
+        return attention.causal_attention(q, key_runs(keys), values, first_pos, np.float32(0.2), window or 0,
+                                          np.float32(softcap or 0.0), out, tiled)
+    got = attend(True)
+    rounded = reference(bfloat16(q), bfloat16(keys), bfloat16(values), first_pos, 0.2, window, softcap)
+    np.testing.assert_allclose(got, rounded, rtol=0, atol=np.abs(values).max() / 256)
+    exact = reference(q, keys, values, first_pos, 0.2, window, softcap)
+    assert 1e-5 < np.abs(got - exact).max() < 3e-2  # bfloat16's, not float32's, rounding
+    np.testing.assert_allclose(attend(False), exact, rtol=2e-5, atol=2e-5)
 
 
 @needs_kernels
@@ -99,7 +168,8 @@ def test_compiled_attention_matches_the_reference(n_tokens, first_pos, window, s
     (2, 0, True, 128),   # Qwen3's heads
     (3, 0, False, 40),   # a head of 40 dims
 ])
-def test_a_query_gets_the_same_bits_in_any_chunk(group, window, half, head_dim):
+@pytest.mark.parametrize("tiled", [False, pytest.param(True, marks=needs_tile_attention)])
+def test_a_query_gets_the_same_bits_in_any_chunk(group, window, half, head_dim, tiled):
     """What a query computes depends on its position and the cache only: a prompt attended in
     one call (rows four at a time, scores from the key block widened into scratch), in uneven
     chunks, or a token at a time (rows two at a time from the runs in place) gives identical rows."""
@@ -115,7 +185,7 @@ def test_a_query_gets_the_same_bits_in_any_chunk(group, window, half, head_dim):
     def attend(a, b):
         out = np.empty((b - a, n_kv * group * head_dim), dtype=np.float32)
         return attention.causal_attention(q[a:b], runs, values[:, :b], a, np.float32(0.125), window,
-                                          np.float32(0.0), out)
+                                          np.float32(0.0), out, tiled)
     whole = attend(0, n_tokens)
     for cuts in ([0, 7, 8, 70, 150], list(range(151))):
         parts = [attend(a, b) for a, b in zip(cuts, cuts[1:])]

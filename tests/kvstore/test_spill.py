@@ -34,9 +34,10 @@ def test_restored_kv_gives_the_logits_of_recomputing(engine, tmp_path):
     restored = model.new_cache(512)
     length = spiller.restore(restored, follow_up, resident=0)
     assert length == 256
-    ours = model.forward([(restored, follow_up[length:])], all_logits=True)[0]
-
     scratch = model.new_cache(512)
+    for cache in (restored, scratch):  # the follow-up is a prompt, as the scheduler marks one
+        cache.prompt_end = len(follow_up)
+    ours = model.forward([(restored, follow_up[length:])], all_logits=True)[0]
     reference = model.forward([(scratch, follow_up)], all_logits=True)[0][length:]
     # the restored halves are the computed ones, and a prompt's KV does not depend on how it
     # was chunked: the same bits
@@ -208,11 +209,12 @@ def test_layers_of_different_shapes_spill_and_restore(variant, tmp_path):
     engine.prefill(cache, prompt)
     assert spiller.spill(cache) == 3
     assert spiller.flush()
-    restored = model.new_cache(128)
+    restored, scratch = model.new_cache(128), model.new_cache(128)
     follow_up = prompt + [7, 8]
+    restored.prompt_end = scratch.prompt_end = len(follow_up)  # a prompt, as the scheduler marks one
     assert spiller.restore(restored, follow_up, resident=0) == 48
     ours = model.forward([(restored, follow_up[48:])], all_logits=True)[0]
-    reference = model.forward([(model.new_cache(128), follow_up)], all_logits=True)[0][48:]
+    reference = model.forward([(scratch, follow_up)], all_logits=True)[0][48:]
     np.testing.assert_array_equal(ours, reference)
     spiller.close()
 

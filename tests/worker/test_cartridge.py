@@ -17,6 +17,7 @@ from shared.protocol import Finished, Generate, Tokens
 from shared.sampling_params import SamplingParams
 from worker.cartridges.cartridge import Cartridge, from_document, write, write_arrays
 from worker.engine import Engine
+from worker.engine.kernels import attention
 from worker.scheduler import Scheduler, SchedulerSettings
 
 DOCUMENT = ("The lighthouse on Varrow Point was built in 1871 by Ada Quint, who painted it green and kept "
@@ -42,12 +43,16 @@ def test_a_conversation_behind_the_cartridge_is_the_document_then_the_conversati
     model = engine.model
     document = engine.tokenizer.encode(DOCUMENT, parse_special=False)[:24]
     question = engine.tokenizer.encode("Who built the lighthouse?", add_special=False)
-    whole = model.forward([(model.new_cache(64), document + question)], all_logits=True)[0][24:]
-    behind = model.new_cache(64)
+    scratch, behind = model.new_cache(64), model.new_cache(64)
+    scratch.prompt_end = behind.prompt_end = 24 + len(question)  # a prompt, as the scheduler marks one
+    whole = model.forward([(scratch, document + question)], all_logits=True)[0][24:]
     cartridge.put_into(behind)
     assert behind.length == 24 and behind.tokens == cartridge.pseudo_ids
-    # f16 in the file: the prefix's keys and values are rounded to halves
-    np.testing.assert_allclose(model.forward([(behind, question)], all_logits=True)[0], whole, atol=2e-2)
+    # f16 in the file: the prefix's keys and values are rounded to halves (measured 0.005 here);
+    # a prompt's attention in the tile unit rounds them to bfloat16 besides, and the two roundings
+    # of the prefix differ by up to a bfloat16 step: 0.026, of logits up to 12 (2^-8 of them, 0.047)
+    tolerance = 5e-2 if attention.TILED else 2e-2
+    np.testing.assert_allclose(model.forward([(behind, question)], all_logits=True)[0], whole, atol=tolerance)
 
 
 class Outbox:

@@ -85,8 +85,13 @@ def test_self_study_records_the_teacher_with_the_chunk_in_context(models):
     assert chunk_text not in engine.tokenizer.decode(message)
     asked = study.with_chunk(chunk_text, sample.message)
     assert message == study.served_prompt(sample.message)
-    logits = engine.model.forward([(engine.new_cache(len(asked) + 16), asked + answer[:-1])], all_logits=True)[0]
-    logp = log_softmax(logits[len(asked) - 1:])
+    # as served: the prompt read as a prompt (its attention in the tile unit where there is one),
+    # then the answer's tokens as decode steps read them
+    cache = engine.new_cache(len(asked) + 16)
+    cache.prompt_end = len(asked)
+    logits = np.concatenate([engine.model.forward([(cache, asked)])[0][None],
+                             engine.model.forward([(cache, answer[:-1])], all_logits=True)[0]])
+    logp = log_softmax(logits)
     best = np.argmax(logp, axis=-1)
     np.testing.assert_array_equal(sample.top_ids[:, 0], best)
     np.testing.assert_allclose(sample.top_logprobs[:, 0], logp[np.arange(len(answer)), best], atol=1e-3)

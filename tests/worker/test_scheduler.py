@@ -101,6 +101,28 @@ def test_a_weight_pass_that_fails_for_one_stream_ends_only_that_stream(engine):
         assert broken.tokens(rid) == clean.tokens(rid)
 
 
+def test_a_prompts_rows_are_marked_and_a_decode_steps_are_not(engine):
+    """What the scheduler admits marks its prompt (``KVCache.prompt_end``): prefill chunks are
+    a prompt's rows, which attention may take through the tile unit, and the steps after them
+    are not, in the same slot on a next turn too."""
+    outbox = Outbox()
+    scheduler = Scheduler(engine, SchedulerSettings(ctx=256, batch=1, kv_slots=1, queue=4, prefill_chunk=8), outbox)
+    for rid, prompt in (("first", list(range(3, 23))), ("next", list(range(3, 23)) + [40, 41, 42])):
+        scheduler.submit(b"gw", Generate(rid, prompt, SamplingParams(temperature=0.0), 4, stop_ids=[]))
+        scheduler.admit()
+        [stream] = scheduler.running
+        cache = stream.slot.cache
+        assert cache.prompt_end == len(prompt)
+        seen = []
+        while scheduler.running:
+            seen.append((cache.length, cache.prompt_rows(1)))
+            scheduler.step()
+            scheduler.admit()
+        assert all(marked == (length < len(prompt)) for length, marked in seen)
+        assert any(marked for _, marked in seen) and not seen[-1][1]
+    assert outbox.finished()["next"].reason == "length"
+
+
 def test_abort_of_a_running_stream_frees_its_slot(engine):
     outbox = Outbox()
     scheduler = Scheduler(engine, SchedulerSettings(ctx=128, batch=1, kv_slots=1, queue=4), outbox)

@@ -73,7 +73,7 @@ def compile_job(job: str) -> None:
         q, k, v = (np.zeros((2, 2, 16), np.float32) for _ in range(3))
         keys, values = key_runs(np.zeros((2, 8, 16), dtype)), np.zeros((2, 8, 16), dtype)
         attention.store_and_attend(q, k, v, keys, values, 0, np.float32(1.0), 0, np.float32(0.0),
-                                   np.zeros((2, 32), np.float32))
+                                   np.zeros((2, 32), np.float32), False)
     elif kind in ("gemm", "rows"):
         from worker.engine import panels
         from worker.engine.kernels.activations import QuantizedActivations
@@ -160,19 +160,21 @@ def leaf_jobs(layer_weights: dict, head_type, kv_type: str) -> list[str]:
 
 
 # What a job costs to compile on one core, in units of one block type's GEMM (measured on a
-# 2-core Xeon: about 3.3 s a GEMM, 9 s for Q8_0's with its tile loop, 14 s for the attention, and
-# some 3 s more for a helper's first GEMM, which brings the activations' quantizers along).
-ATTENTION_COST, TILED_COST, QUANTIZERS_COST = 4.0, 2.7, 1.0
+# 2-core Xeon: about 3.3 s a GEMM, 9 s for Q8_0's with its tile loop, 14 s for the attention
+# and 19 s with its tile path, and some 3 s more for a helper's first GEMM, which brings the
+# activations' quantizers along).
+ATTENTION_COST, TILED_ATTENTION_COST, TILED_COST, QUANTIZERS_COST = 4.0, 5.4, 2.7, 1.0
 
 
 def job_cost(job: str) -> float:
-    """A job's cost in those units: a GEMM with the tile loop where this CPU takes the tiles."""
-    from worker.engine.kernels import use_tiles
+    """A job's cost in those units: a GEMM with the tile loop where this CPU takes the tiles,
+    the attention with its own where it takes those."""
+    from worker.engine.kernels import attention, use_tiles
     from worker.engine.weights import FEW_ROWS_KERNELS
 
     kind, _, what = job.partition(":")
     if kind == "attention":
-        return ATTENTION_COST
+        return TILED_ATTENTION_COST if attention.TILED else ATTENTION_COST
     return TILED_COST if kind == "gemm" and _block_type(what) in FEW_ROWS_KERNELS and use_tiles() else 1.0
 
 

@@ -76,6 +76,12 @@ class KVCache:
         # request, which repeats that prompt and goes on, continues here however the reply is
         # rendered back to it (and so does the same prompt sent again)
         self.resumable_at = 0
+        # positions below this are a prompt's, fed by prefill: attention takes their rows through
+        # the tile unit where there is one, in bfloat16 (``attention._attend_task_tiles``); a
+        # decode step's, a verified draft's and the rest through the float32 vector loops. Each
+        # way gives a row the same bits in any chunk or batch, so a prompt read again (the same
+        # request, or its last token recomputed) reads as before
+        self.prompt_end = 0
         # positions below this are in the kvstore (or on their way): only those may be released;
         # None: no kvstore, nothing to wait for
         self.spilled: int | None = None
@@ -159,7 +165,12 @@ class KVCache:
         q [T, H, d], k [T, K, d], v [T, K, dv] float32, C-ordered; out [T, H*dv]; window and
         softcap 0 for none."""
         return attention.store_and_attend(q, k, v, *self.kernel_arrays(layer), self.length, np.float32(scale),
-                                          window, np.float32(softcap), out)
+                                          window, np.float32(softcap), out, self.prompt_rows(q.shape[0]))
+
+    def prompt_rows(self, n_tokens: int) -> bool:
+        """Whether the next ``n_tokens`` positions are all a prompt's (below ``prompt_end``): the
+        compiled attention takes such rows through the tile unit where it has one."""
+        return self.length + n_tokens <= self.prompt_end
 
     def kernel_arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """A layer's keys and values as the compiled attention reads them (``kernel_view``)."""

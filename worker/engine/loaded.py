@@ -158,6 +158,7 @@ class Engine:
         """Feed tokens in chunks (bounded memory for attention scores); logits of the last one."""
         if not tokens:
             raise ValueError("prefill needs at least one token")
+        cache.prompt_end = cache.length + len(tokens)
         for start in range(0, len(tokens), chunk):
             last = start + chunk >= len(tokens)
             logits = self.model.forward([(cache, tokens[start:start + chunk])], tails=[1 if last else 0])[0]

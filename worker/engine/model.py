@@ -481,7 +481,7 @@ class DecoderModel:
         hp, spec, options = self.hp, self.fused[i], self.attention_options[i]
         return (x, spec.attention, (*rope, hp.n_head, hp.n_head_kv, hp.head_dim, hp.value_dim),
                 *cache.kernel_arrays(i), cache.length, np.float32(options.scale), options.window,
-                np.float32(options.softcap), spec.output, spec.swiglu)
+                np.float32(options.softcap), cache.prompt_rows(x.shape[0]), spec.output, spec.swiglu)
 
     def one_call_signatures(self) -> set[tuple]:
         """The numba types of ``fused.dense_block``'s arguments for each of its layers (those of a

@@ -154,7 +154,7 @@ def attend(q: np.ndarray, k: np.ndarray | None, v: np.ndarray | None, fp: Forwar
                                                        kernel_view(cache.keys[layer]), kernel_view(values), first,
                                                        np.float32(scale), window, np.float32(softcap),
                                                        np.empty((end - start, q.shape[1] * values.shape[-1]),
-                                                                dtype=np.float32))
+                                                                dtype=np.float32), cache.prompt_rows(end - start))
             else:
                 out[rows] = causal_attention(q[rows], cache.key_rows(layer, 0, seen), values, first, scale,
                                              window or None, softcap or None)
@@ -190,7 +190,7 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_
         out = np.empty((n_tokens, n_head * value_dim), dtype=np.float32)
         return attention.causal_attention(np.ascontiguousarray(q, dtype=np.float32), kernel_view(key_runs(keys)),
                                           kernel_view(values), first_pos, np.float32(scale), window or 0,
-                                          np.float32(softcap or 0.0), out)
+                                          np.float32(softcap or 0.0), out, False)
     keys, values = keys.astype(np.float32, copy=False), values.astype(np.float32, copy=False)
     group = n_head // n_kv
     keys_t = keys.transpose(0, 2, 1)

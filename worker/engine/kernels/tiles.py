@@ -16,6 +16,11 @@ The tiles hold, as ``configuration`` sets them up (palette 1):
     tmm1  activations         16 rows × 32 bytes (one unit)
     tmm2  levels               8 rows × 64 bytes
 
+Attention's bfloat16 products (``attention._attend_task_tiles``, where the CPU also has
+AMX-BF16) configure the tiles their own way (``ATTENTION_CONFIGURATION``: float sums, A and B,
+each 16 rows of 64 bytes) at the start of each task, as the GEMM does at the start of each
+panel; the sums stay in tmm0 between calls of one thread.
+
 The instructions reach LLVM as inline assembly (numba has no AMX types).
 """
 
@@ -99,3 +104,58 @@ def _product(instruction: str):
 
 # signed activations against signed weights (Q8_0)
 product_signed = intrinsic(_product("tdpbssd"))
+
+
+# --- bfloat16 products for attention (AMX-BF16) -----------------------------------------------------
+
+def attention_configuration() -> np.ndarray:
+    """Attention's tiles: tmm0 the float sums, tmm1 A, tmm2 B, each 16 rows × 64 bytes (16
+    floats, or 32 bfloat16 as 16 pairs)."""
+    config = np.zeros(64, dtype=np.uint8)
+    config[0] = 1
+    for tile in range(3):
+        config[16 + 2 * tile:18 + 2 * tile] = np.frombuffer(np.uint16(64).tobytes(), np.uint8)
+        config[48 + tile] = 16
+    return config
+
+
+ATTENTION_CONFIGURATION = attention_configuration()
+
+
+@intrinsic
+def zero_sums(typingctx):
+    """tmm0 = 0."""
+    def codegen(context, builder, sig, args):
+        _run(builder, "tilezero %tmm0", [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+def _sums_moved(instruction: str):
+    def typer(typingctx, array, byte_offset, stride):
+        def codegen(context, builder, sig, args):
+            _run(builder, instruction,
+                 [_address(context, builder, sig.args[0], args[0], _i64(builder, args[1])), _i64(builder, args[2])])
+            return context.get_dummy_value()
+        return types.none(array, byte_offset, stride), codegen
+    return intrinsic(typer)
+
+
+# tmm0 = 16 rows of 16 floats from byte ``byte_offset`` of ``array``, ``stride`` bytes apart
+load_sums = _sums_moved("tileloadd ($0,$1,1), %tmm0")
+# tmm0's 16 rows of 16 floats into ``array`` from byte ``byte_offset``, ``stride`` bytes apart
+store_sums = _sums_moved("tilestored %tmm0, ($0,$1,1)")
+
+
+@intrinsic
+def add_bf16_product(typingctx, a, a_at, a_stride, b, b_at):
+    """tmm0 += A · B: A 16 rows of 32 bfloat16 from byte ``a_at`` of ``a``, ``a_stride`` bytes
+    apart; B 16 rows of 16 bfloat16 pairs (64 bytes a row, one after another) from byte
+    ``b_at`` of ``b``. Sum (m, n) gains Σ_k A[m, 2k]·B[k, 2n] + A[m, 2k+1]·B[k, 2n+1], products
+    exact in float32."""
+    def codegen(context, builder, sig, args):
+        _run(builder, "tileloadd ($0,$1,1), %tmm1\n\ttileloadd ($2,$3,1), %tmm2\n\ttdpbf16ps %tmm2, %tmm1, %tmm0",
+             [_address(context, builder, sig.args[0], args[0], _i64(builder, args[1])), _i64(builder, args[2]),
+              _address(context, builder, sig.args[3], args[3], _i64(builder, args[4])), ir.Constant(_I64, 64)])
+        return context.get_dummy_value()
+    return types.none(a, a_at, a_stride, b, b_at), codegen

@@ -510,3 +510,56 @@ def to_eight(typingctx, a):
         high = builder.shuffle_vector(args[0], args[0], ir.Constant(index, list(range(8, 16))))
         return builder.fadd(low, high)
     return F32x8(Floats), codegen
+
+
+# --- bfloat16, as the tile unit's float products read it ----------------------------------------
+
+def _bf16_in_high_half(builder: ir.IRBuilder, floats: ir.Value) -> ir.Value:
+    """Each lane's float rounded to bfloat16 (to nearest, ties to even: the top 16 bits of
+    bits + 0x7FFF + the lowest kept bit), held in the lane's high 16 bits; the low 16 are
+    not cleared."""
+    lanes = Ints.llvm_type()
+    bits = builder.bitcast(floats, lanes)
+    odd = builder.and_(builder.lshr(bits, ir.Constant(lanes, [16] * WIDTH)), ir.Constant(lanes, [1] * WIDTH))
+    return builder.add(builder.add(bits, ir.Constant(lanes, [0x7FFF] * WIDTH)), odd)
+
+
+@intrinsic
+def bf16_rounded(typingctx, value):
+    """Each lane rounded to the nearest bfloat16 (ties to even), as a float."""
+    def codegen(context, builder, sig, args):
+        high = builder.and_(_bf16_in_high_half(builder, args[0]), ir.Constant(Ints.llvm_type(), [-65536] * WIDTH))
+        return builder.bitcast(high, Floats.llvm_type())
+    return Floats(Floats), codegen
+
+
+def _u16_pointer(context, builder, array_type, array, element_offset, vector: ir.Type) -> ir.Value:
+    data = cgutils.create_struct_proxy(array_type)(context, builder, value=array).data
+    return builder.bitcast(builder.gep(data, [element_offset]), vector.as_pointer())
+
+
+@intrinsic
+def put_bf16(typingctx, array, element_offset, value):
+    """WIDTH floats rounded to bfloat16 into a uint16 array from element ``element_offset``."""
+    def codegen(context, builder, sig, args):
+        high = builder.lshr(_bf16_in_high_half(builder, args[2]), ir.Constant(Ints.llvm_type(), [16] * WIDTH))
+        halves = ir.VectorType(ir.IntType(16), WIDTH)
+        builder.store(builder.trunc(high, halves),
+                      _u16_pointer(context, builder, sig.args[0], args[0], args[1], halves), align=2)
+        return context.get_dummy_value()
+    return types.none(array, element_offset, Floats), codegen
+
+
+@intrinsic
+def put_bf16_pairs(typingctx, array, element_offset, low, high):
+    """WIDTH pairs of bfloat16 into a uint16 array from element ``element_offset``: lane i's
+    ``low`` then its ``high``, each rounded, side by side (the pairs a tile product's B rows
+    hold: two consecutive values of its inner dimension for one output)."""
+    def codegen(context, builder, sig, args):
+        lanes = Ints.llvm_type()
+        first = builder.lshr(_bf16_in_high_half(builder, args[2]), ir.Constant(lanes, [16] * WIDTH))
+        second = builder.and_(_bf16_in_high_half(builder, args[3]), ir.Constant(lanes, [-65536] * WIDTH))
+        builder.store(builder.or_(first, second),
+                      _u16_pointer(context, builder, sig.args[0], args[0], args[1], lanes), align=2)
+        return context.get_dummy_value()
+    return types.none(array, element_offset, Floats, Floats), codegen
