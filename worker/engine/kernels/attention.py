@@ -474,8 +474,9 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
 
 @njit(fastmath={"nsz", "arcp", "contract", "afn"}, nogil=True, cache=True)
 def _attend_task_tiles(q, keys, values, first_pos, scale, window, softcap, out, task):
-    """``_attend_task`` with its products in the tile unit, in bfloat16: a task's rows in tiles of
-    16 (the last padded with copies of its last row), every task alike, a decode step's too.
+    """``_attend_task`` with its products in the tile unit, in bfloat16, for a prompt's rows: a
+    task's rows in tiles of 16 (the last padded with copies of its last row), a chunk of one
+    token too.
 
     Per key block, its keys and values are rounded to bfloat16 into the pairs B rows hold: for
     the scores, key group g (one run of the cache, 16 keys) as head_dim / 2 rows of each key's
