@@ -192,6 +192,28 @@ def test_a_query_gets_the_same_bits_in_any_chunk(group, window, half, head_dim, 
         np.testing.assert_array_equal(np.concatenate(parts), whole)
 
 
+@needs_tile_attention
+def test_a_prompts_rows_get_the_same_bits_in_tasks_of_either_size():
+    """The tile unit's tasks take TILE_QUERY_BLOCK positions where that still makes TILE_TASKS
+    tasks, QUERY_BLOCK otherwise: a row's bits are the same either way."""
+    rng = np.random.default_rng(11)
+    n_tokens, n_kv, group, head_dim = 300, 4, 2, 64
+    keys = rng.standard_normal((n_kv, n_tokens, head_dim)).astype(np.float16).view(np.uint16)
+    values = rng.standard_normal((n_kv, n_tokens, head_dim)).astype(np.float16).view(np.uint16)
+    q = rng.standard_normal((n_tokens, n_kv * group, head_dim), dtype=np.float32)
+    runs = key_runs(keys)
+
+    def attend(a, b):
+        out = np.empty((b - a, n_kv * group * head_dim), dtype=np.float32)
+        return attention.causal_attention(q[a:b], runs, values[:, :b], a, np.float32(0.125), 0, np.float32(0.0),
+                                          out, True)
+    assert attention._task_positions(q, n_kv, values, True) == attention.TILE_QUERY_BLOCK  # 2 blocks x 4 heads
+    assert attention._task_positions(q[:150], n_kv, values, True) == attention.QUERY_BLOCK  # 1 x 4
+    whole = attend(0, n_tokens)
+    for cuts in ([0, 150, 300], [0, 7, 8, 70, 300]):
+        np.testing.assert_array_equal(np.concatenate([attend(a, b) for a, b in zip(cuts, cuts[1:])]), whole)
+
+
 @pytest.mark.parametrize("n_keys, d", [(1, 8), (63, 16), (64, 40), (200, 128)])
 def test_key_runs_hold_positions_dim_by_dim_in_whole_key_blocks(n_keys, d):
     """``key_runs`` puts key p's dim i at run p // RUN, row i, lane p % RUN, pads with zero keys

@@ -159,6 +159,7 @@ class Engine:
         if not tokens:
             raise ValueError("prefill needs at least one token")
         cache.prompt_end = cache.length + len(tokens)
+        cache.reserve(len(tokens))  # grown once, not chunk by chunk (each growth copies what it holds)
         for start in range(0, len(tokens), chunk):
             last = start + chunk >= len(tokens)
             logits = self.model.forward([(cache, tokens[start:start + chunk])], tails=[1 if last else 0])[0]

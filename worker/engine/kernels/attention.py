@@ -29,10 +29,12 @@ last row, whose results are dropped.
 Where the CPU has the tile unit with bfloat16 products (AMX-BF16, beside the AMX-INT8 the
 GEMM takes), a call the caller marks as a prompt's rows (``tiled``: ``KVCache.prompt_rows``)
 takes its products there instead (``_attend_task_tiles``): queries, keys, values and the
-softmax's weights rounded to bfloat16, products exact and summed in float32, 16 rows at a time.
-At a 16k-token context that attends 2.3-2.5x as fast as the float32 loops (a Qwen3-0.6B layer's
-512-query chunk on 2 cores of a Xeon, Emerald Rapids), whose AVX-512 ``vdpbf16ps`` there ran at
-half the multiply-adds a cycle of float32 FMAs. It is a path of its own, not bit for bit the
+softmax's weights rounded to bfloat16, products exact and summed in float32, 16 rows at a time,
+tasks of TILE_QUERY_BLOCK positions; its softmax works in log2 units (``_weigh_rows``: a
+polynomial and ``vscalefps`` for 2^x, ``vcvtneps2bf16`` for the rounding). At a 16k-token
+context that attends about 4x as fast as the float32 loops (a Qwen3-0.6B layer's 512-query chunk
+on 2 cores of a Xeon, Emerald Rapids), whose AVX-512 ``vdpbf16ps`` there ran at half the
+multiply-adds a cycle of float32 FMAs. It is a path of its own, not bit for bit the
 loops': every prompt row takes it in any chunk, and decode steps and verified drafts keep the
 loops (a step's 16-row tile of a few rows' keys rounded afresh each time took 2.5x as long), so
 a greedy stream reads the same alone, batched or speculated, and a prompt sent again (or its
@@ -49,14 +51,16 @@ from numba.extending import intrinsic
 from worker.engine.kernels import target_has, tiles, use_tiles
 from worker.engine.kernels.simd import (add_f32, floor_f32, fmadd, load_f32x8, max_f32, mul_f32, pow2_f32,
                                         splat_f32, store_kv8, store_kv8_apart, sub_f32, sum_pairs_f32)
-from worker.engine.kernels.wide_simd import (WIDTH, add_float, bf16_rounded, floor_floats, fma_float, keep_lanes,
-                                             largest_lane, load_floats, load_widened, load_widened_all, max_float,
-                                             mul_float, pow2_floats, put_bf16, put_bf16_pairs, put_floats,
-                                             splat_float, sub_float, to_eight, zeros_float)
+from worker.engine.kernels.wide_simd import (WIDTH, add_float, floor_floats, fma_float, keep_lanes, largest_lane,
+                                             load_floats, load_widened, load_widened_all, max_float, mul_float,
+                                             nearest_floats, pow2_floats, put_bf16, put_bf16_pairs, put_floats,
+                                             scaled_by_pow2, splat_float, sub_float, to_eight, zeros_float)
 
 KEY_BLOCK = 64
 RUN = 16  # keys in a run of the key cache, which holds them dim by dim (``kv_cache.key_runs``)
 QUERY_BLOCK = 128
+TILE_QUERY_BLOCK = 256  # the tile unit's tasks, where there are enough of them (``_task_positions``)
+TILE_TASKS = 8
 TILE = 4  # rows a step of the scores and of the value sums takes
 DIRECT_ROWS = 8  # a task of at most this many rows reads the cache in place (no widened scratch)
 
@@ -227,55 +231,106 @@ assert KEY_BLOCK % (SCORE_GROUPS * WIDTH) == 0 and KEY_BLOCK % RUN == 0 and RUN 
 
 
 @njit(inline="always", cache=True)
-def _softmax_block(scores, row, lo, hi, scale, softcap, running_max, running_sum, acc, weights):
-    """Turn a row's raw scores of keys lo..hi-1 (block columns) into e^(s - max), zero the
-    columns it does not see, and rescale its sum and output to the new running maximum. Where
-    ``weights`` is an array (the tile unit's path), the weights are rounded to bfloat16 and
-    written there, and the sum adds the rounded weights."""
-    s = scores[row]
-    if softcap > 0:
-        for j in range(lo, hi):
-            s[j] = softcap * np.tanh(s[j] * scale / softcap)
-    top = splat_float(-np.inf)
-    for c in range(0, KEY_BLOCK, WIDTH):
-        x = load_floats(s, c)
-        if softcap <= 0:
-            x = mul_float(x, splat_float(scale))
-        x = keep_lanes(x, c, lo, hi, -np.inf)
-        put_floats(s, c, x)
-        top = max_float(top, x)
-    new_max = max(running_max[row], largest_lane(top))
-    correction = exp_nonpositive(running_max[row] - new_max)
-    running_max[row] = new_max
-    total = zeros_float()
-    for c in range(0, KEY_BLOCK, WIDTH):
-        p = keep_lanes(_exp_lanes(sub_float(load_floats(s, c), splat_float(new_max))), c, lo, hi, 0.0)
-        if weights is None:
-            put_floats(s, c, p)
-        else:
-            p = bf16_rounded(p)
-            put_bf16(weights[row], c, p)
-        total = add_float(total, p)
-    # the block's weights, folded to eight lanes, then added in one fixed tree
-    running_sum[row] = running_sum[row] * correction + sum_pairs_f32(to_eight(total))
-    if correction != 1.0:  # a scale of exactly 1 changes nothing
-        out = acc[row]
-        factor = splat_float(correction)
-        for i in range(0, out.shape[0], WIDTH):
-            put_floats(out, i, mul_float(load_floats(out, i), factor))
+def _softmax_rows(scores, position, start, window, scale, softcap, running_max, running_sum, acc):
+    """Turn each row's raw scores over the key block from ``start`` into e^(s - max), zero the
+    columns it does not see (every column, where it sees none), and rescale its sum and output to
+    the new running maximum. The rows are a loop here, addressed in the whole arrays: a function
+    or a view per row would cost reference counting per row, as much as the rest of its work."""
+    for row in range(scores.shape[0]):
+        lo, hi = key_span(start, position[row], window)
+        lo, hi = lo - start, hi - start
+        at = row * KEY_BLOCK
+        if lo >= hi:
+            scores[row, :] = 0.0
+            continue
+        if softcap > 0:
+            for j in range(lo, hi):
+                scores[row, j] = softcap * np.tanh(scores[row, j] * scale / softcap)
+        top = splat_float(-np.inf)
+        for c in range(0, KEY_BLOCK, WIDTH):
+            x = load_floats(scores, at + c)
+            if softcap <= 0:
+                x = mul_float(x, splat_float(scale))
+            x = keep_lanes(x, c, lo, hi, -np.inf)
+            put_floats(scores, at + c, x)
+            top = max_float(top, x)
+        new_max = max(running_max[row], largest_lane(top))
+        correction = exp_nonpositive(running_max[row] - new_max)
+        running_max[row] = new_max
+        total = zeros_float()
+        for c in range(0, KEY_BLOCK, WIDTH):
+            p = keep_lanes(_exp_lanes(sub_float(load_floats(scores, at + c), splat_float(new_max))), c, lo, hi, 0.0)
+            put_floats(scores, at + c, p)
+            total = add_float(total, p)
+        # the block's weights, folded to eight lanes, then added in one fixed tree
+        running_sum[row] = running_sum[row] * correction + sum_pairs_f32(to_eight(total))
+        if correction != 1.0:  # a scale of exactly 1 changes nothing
+            _rescale(acc, row, correction)
 
 
 @njit(inline="always", cache=True)
-def _softmax_rows(scores, position, start, window, scale, softcap, running_max, running_sum, acc, weights):
-    """``_softmax_block`` for every row of a task over the key block from ``start``."""
-    for r in range(scores.shape[0]):
-        lo, hi = key_span(start, position[r], window)
-        if lo < hi:
-            _softmax_block(scores, r, lo - start, hi - start, scale, softcap, running_max, running_sum, acc, weights)
-        elif weights is None:  # no key of this block: its weights are 0 for the value sums
-            scores[r, :] = 0.0
-        else:
-            weights[r, :] = 0
+def _rescale(acc, row, factor):
+    """A row's output sums times ``factor``."""
+    width = acc.shape[1]
+    factor = splat_float(factor)
+    for i in range(row * width, (row + 1) * width, WIDTH):
+        put_floats(acc, i, mul_float(load_floats(acc, i), factor))
+
+
+LOG2E = np.float32(1.4426950408889634)
+
+
+@njit(inline="always", cache=True)
+def _exp2_lanes(t):
+    """2^t per lane for t <= 0, to a relative 3e-6 (far inside a bfloat16's step): t = n + f with
+    n whole and |f| <= 1/2, 2^f by a polynomial fitted to it, n put in by ``vscalefps``."""
+    n = nearest_floats(t)
+    f = sub_float(t, n)
+    p = fma_float(splat_float(0.009560510516166687), f, splat_float(0.05591703951358795))
+    p = fma_float(p, f, splat_float(0.24024981260299683))
+    p = fma_float(p, f, splat_float(0.6931219696998596))
+    p = fma_float(p, f, splat_float(0.9999991655349731))
+    return scaled_by_pow2(p, n)
+
+
+@njit(inline="always", cache=True)
+def _weigh_rows(scores, position, start, window, scale, softcap, running_max, running_sum, acc, weights):
+    """``_softmax_rows`` for the tile unit's path, in log2 units: weights 2^(s · scale · log2(e) -
+    max), the scaling one fused multiply-add with the maximum's subtraction, rounded to bfloat16
+    into ``weights`` (0 where a row does not see a key), the sum adding them unrounded. A row's
+    running maximum (of its scaled scores), sum and output move only when a block raises that
+    maximum, and a row that sees the whole block skips the masks."""
+    factor = scale * LOG2E
+    for row in range(scores.shape[0]):
+        lo, hi = key_span(start, position[row], window)
+        lo, hi = lo - start, hi - start
+        at = row * KEY_BLOCK
+        if lo >= hi:
+            weights[row, :] = 0
+            continue
+        if softcap > 0:  # capped, and put back in the scores' units
+            for j in range(lo, hi):
+                scores[row, j] = softcap * np.tanh(scores[row, j] * scale / softcap) / scale
+        whole = lo == 0 and hi == KEY_BLOCK
+        top = splat_float(-np.inf)
+        for c in range(0, KEY_BLOCK, WIDTH):
+            x = load_floats(scores, at + c)
+            top = max_float(top, x if whole else keep_lanes(x, c, lo, hi, -np.inf))
+        new_max = largest_lane(top) * factor  # scale > 0: the largest score, scaled
+        if new_max > running_max[row]:
+            correction = exp_nonpositive((running_max[row] - new_max) / LOG2E)
+            running_max[row] = new_max
+            running_sum[row] *= correction
+            _rescale(acc, row, correction)
+        times, shift = splat_float(factor), splat_float(-running_max[row])
+        total = zeros_float()
+        for c in range(0, KEY_BLOCK, WIDTH):
+            p = _exp2_lanes(fma_float(load_floats(scores, at + c), times, shift))
+            if not whole:
+                p = keep_lanes(p, c, lo, hi, 0.0)
+            put_bf16(weights, at + c, p)
+            total = add_float(total, p)
+        running_sum[row] += sum_pairs_f32(to_eight(total))
 
 
 @njit(inline="always", cache=True)
@@ -396,15 +451,15 @@ def _add_values_from_cache(values, kv, start, weights, r, first_key, last_key, a
 
 
 @njit(inline="always", cache=True)
-def _task_at(task, n_tokens, n_kv):
-    """The KV head and the query positions t0..t1-1 of a task."""
-    query_blocks = (n_tokens + QUERY_BLOCK - 1) // QUERY_BLOCK
+def _task_at(task, n_tokens, n_kv, positions):
+    """The KV head and the query positions t0..t1-1 of a task, in blocks of ``positions``."""
+    query_blocks = (n_tokens + positions - 1) // positions
     # blocks in the order first, last, second, second last, ...: later queries see more
     # keys, and each thread takes a contiguous run of tasks
     order = task // n_kv
     block = order // 2 if order % 2 == 0 else query_blocks - 1 - order // 2
-    t0 = block * QUERY_BLOCK
-    return task % n_kv, t0, min(n_tokens, t0 + QUERY_BLOCK)
+    t0 = block * positions
+    return task % n_kv, t0, min(n_tokens, t0 + positions)
 
 
 # No reassociation: rows must add in the orders written, which a reassociating compiler would
@@ -418,7 +473,7 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
     value_dim = values.shape[2]
     group = n_head // n_kv
     v_steps = (value_dim + VALUE_STEP * WIDTH - 1) // (VALUE_STEP * WIDTH)  # the value sums' steps
-    kv, t0, t1 = _task_at(task, n_tokens, n_kv)
+    kv, t0, t1 = _task_at(task, n_tokens, n_kv, QUERY_BLOCK)
     rows = (t1 - t0) * group
     # a task of few rows (a decode step) reads keys and values where they are, two rows at
     # a time; more rows share each block widened once into scratch, four at a time
@@ -461,7 +516,7 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
                     _scores_two_in_place(qf, key_runs, base, r, g0, head_dim, scores)
                 else:
                     _scores_four(qf, kt, r, g0, head_dim, scores)
-        _softmax_rows(scores, position, start, window, scale, softcap, running_max, running_sum, acc, None)
+        _softmax_rows(scores, position, start, window, scale, softcap, running_max, running_sum, acc)
         for r in range(0, padded, tile):
             lo, hi = _tile_span(start, position, r, tile, window)
             if lo < hi and direct:
@@ -473,10 +528,10 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
 
 
 @njit(fastmath={"nsz", "arcp", "contract", "afn"}, nogil=True, cache=True)
-def _attend_task_tiles(q, keys, values, first_pos, scale, window, softcap, out, task):
+def _attend_task_tiles(q, keys, values, first_pos, scale, window, softcap, out, task, positions):
     """``_attend_task`` with its products in the tile unit, in bfloat16, for a prompt's rows: a
-    task's rows in tiles of 16 (the last padded with copies of its last row), a chunk of one
-    token too.
+    task of ``positions`` query positions, its rows in tiles of 16 (the last padded with copies of
+    its last row), a chunk of one token too.
 
     Per key block, its keys and values are rounded to bfloat16 into the pairs B rows hold: for
     the scores, key group g (one run of the cache, 16 keys) as head_dim / 2 rows of each key's
@@ -493,7 +548,7 @@ def _attend_task_tiles(q, keys, values, first_pos, scale, window, softcap, out, 
     group = n_head // n_kv
     pairs = head_dim // 2
     value_tiles = value_dim // 16
-    kv, t0, t1 = _task_at(task, n_tokens, n_kv)
+    kv, t0, t1 = _task_at(task, n_tokens, n_kv, positions)
     rows = (t1 - t0) * group
     padded = rows + (-rows) % tiles.ROWS
     position = np.empty(padded, dtype=np.int64)
@@ -505,6 +560,8 @@ def _attend_task_tiles(q, keys, values, first_pos, scale, window, softcap, out, 
         for i in range(0, head_dim, WIDTH):
             put_bf16(queries[r], i, load_floats(row, i))
     key_runs = keys[kv].reshape(-1)
+    head_values = values[kv]  # its rows addressed in the whole: a view per key would cost reference counting
+    value_stride = head_values.strides[0] // head_values.itemsize
     key_pairs = np.empty(KEY_BLOCK * head_dim, dtype=np.uint16)
     value_pairs = np.empty(KEY_BLOCK * value_dim, dtype=np.uint16)
     scores = np.empty((padded, KEY_BLOCK), dtype=np.float32)
@@ -524,12 +581,11 @@ def _attend_task_tiles(q, keys, values, first_pos, scale, window, softcap, out, 
                 put_bf16_pairs(key_pairs, (g * pairs + d) * 2 * RUN, load_widened_all(key_runs, run + 2 * d * RUN),
                                load_widened_all(key_runs, run + (2 * d + 1) * RUN))
         for j in range(0, KEY_BLOCK, 2):
-            first = values[kv, start + j] if j < count else values[kv, start]
-            second = values[kv, start + j + 1] if j + 1 < count else values[kv, start]
+            first, second = min(start + j, n_keys - 1) * value_stride, min(start + j + 1, n_keys - 1) * value_stride
             for n in range(value_tiles):
                 at = ((j // 32 * value_tiles + n) * 16 + j % 32 // 2) * 32
-                put_bf16_pairs(value_pairs, at, load_widened(first, 16 * n, 16 if j < count else 0),
-                               load_widened(second, 16 * n, 16 if j + 1 < count else 0))
+                put_bf16_pairs(value_pairs, at, load_widened(head_values, first + 16 * n, 16 if j < count else 0),
+                               load_widened(head_values, second + 16 * n, 16 if j + 1 < count else 0))
         for r in range(0, padded, tiles.ROWS):
             lo, hi = _tile_span(start, position, r, tiles.ROWS, window)
             if lo >= hi:
@@ -540,7 +596,7 @@ def _attend_task_tiles(q, keys, values, first_pos, scale, window, softcap, out, 
                     tiles.add_bf16_product(queries, 2 * (r * head_dim + 32 * step), 2 * head_dim, key_pairs,
                                            64 * (g * pairs + 16 * step))
                 tiles.store_sums(scores, 4 * (r * KEY_BLOCK + RUN * g), 4 * KEY_BLOCK)
-        _softmax_rows(scores, position, start, window, scale, softcap, running_max, running_sum, acc, weights)
+        _weigh_rows(scores, position, start, window, scale, softcap, running_max, running_sum, acc, weights)
         for r in range(0, padded, tiles.ROWS):
             lo, hi = _tile_span(start, position, r, tiles.ROWS, window)
             if lo >= hi:
@@ -556,17 +612,35 @@ def _attend_task_tiles(q, keys, values, first_pos, scale, window, softcap, out, 
 
 
 @njit(inline="always", cache=True)
-def _either_task(q, keys, values, first_pos, scale, window, softcap, out, task, tiled):
-    """The tile unit's task where the call asks for it and the heads' sizes suit its tiles, the
-    vector loops' otherwise."""
-    if tiled and q.shape[2] % 32 == 0 and values.shape[2] % 16 == 0:
-        _attend_task_tiles(q, keys, values, first_pos, scale, window, softcap, out, task)
+def _takes_tiles(q, values, tiled):
+    """Whether a call's rows take the tile unit: this CPU has it (``TILED``), the caller marks them
+    a prompt's, and the heads' sizes suit its tiles."""
+    return TILED and tiled and q.shape[2] % 32 == 0 and values.shape[2] % 16 == 0
+
+
+@njit(inline="always", cache=True)
+def _task_positions(q, n_kv, values, tiled):
+    """Query positions a task takes: the tile unit's TILE_QUERY_BLOCK (its rows share the rounding
+    of each key block) where that still makes TILE_TASKS tasks, else QUERY_BLOCK (a chunk of 256
+    on gemma-3's one KV head: two tasks, not one). A row's bits do not depend on which rows share
+    its task. (The thread count itself, read here, would keep numba from caching the kernel.)"""
+    blocks = (q.shape[0] + TILE_QUERY_BLOCK - 1) // TILE_QUERY_BLOCK
+    if _takes_tiles(q, values, tiled) and n_kv * blocks >= TILE_TASKS:
+        return TILE_QUERY_BLOCK
+    return QUERY_BLOCK
+
+
+@njit(inline="always", cache=True)
+def _either_task(q, keys, values, first_pos, scale, window, softcap, out, task, tiled, positions):
+    """The tile unit's task where ``_takes_tiles``, the vector loops' otherwise."""
+    if _takes_tiles(q, values, tiled):
+        _attend_task_tiles(q, keys, values, first_pos, scale, window, softcap, out, task, positions)
     else:
         _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task)
 
 
 @njit(inline="always", cache=True)
-def _vector_task(q, keys, values, first_pos, scale, window, softcap, out, task, tiled):
+def _vector_task(q, keys, values, first_pos, scale, window, softcap, out, task, tiled, positions):
     _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task)
 
 
@@ -590,10 +664,11 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out, ti
     """
     # the loop only hands out tasks: its body, compiled on its own, keeps numba's parallel
     # passes off the kernel (a first start compiles it in about half the time)
-    query_blocks = (q.shape[0] + QUERY_BLOCK - 1) // QUERY_BLOCK
+    positions = _task_positions(q, keys.shape[0], values, tiled)
+    query_blocks = (q.shape[0] + positions - 1) // positions
     for task in prange(keys.shape[0] * query_blocks):
         # (prange counts in uint64: one signature of the task, not two)
-        _task(q, keys, values, first_pos, scale, window, softcap, out, np.int64(task), tiled)
+        _task(q, keys, values, first_pos, scale, window, softcap, out, np.int64(task), tiled, positions)
     return out
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from worker.engine.kernels import target_has
@@ -514,23 +515,24 @@ def to_eight(typingctx, a):
 
 # --- bfloat16, as the tile unit's float products read it ----------------------------------------
 
-def _bf16_in_high_half(builder: ir.IRBuilder, floats: ir.Value) -> ir.Value:
-    """Each lane's float rounded to bfloat16 (to nearest, ties to even: the top 16 bits of
-    bits + 0x7FFF + the lowest kept bit), held in the lane's high 16 bits; the low 16 are
-    not cleared."""
-    lanes = Ints.llvm_type()
-    bits = builder.bitcast(floats, lanes)
-    odd = builder.and_(builder.lshr(bits, ir.Constant(lanes, [16] * WIDTH)), ir.Constant(lanes, [1] * WIDTH))
-    return builder.add(builder.add(bits, ir.Constant(lanes, [0x7FFF] * WIDTH)), odd)
+class _BFloat16(ir.Type):
+    """LLVM's ``bfloat``: a float narrowed to it rounds to nearest, ties to even, which AVX-512's
+    BF16 extension does in one instruction (``vcvtneps2bf16``) and LLVM in integer steps elsewhere."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat16)
+
+    def __hash__(self):
+        return hash("bfloat")
 
 
-@intrinsic
-def bf16_rounded(typingctx, value):
-    """Each lane rounded to the nearest bfloat16 (ties to even), as a float."""
-    def codegen(context, builder, sig, args):
-        high = builder.and_(_bf16_in_high_half(builder, args[0]), ir.Constant(Ints.llvm_type(), [-65536] * WIDTH))
-        return builder.bitcast(high, Floats.llvm_type())
-    return Floats(Floats), codegen
+def _bf16_bits(builder: ir.IRBuilder, floats: ir.Value) -> ir.Value:
+    """Each lane of a float vector rounded to bfloat16, as 16-bit integers."""
+    count = floats.type.count
+    return builder.bitcast(builder.fptrunc(floats, ir.VectorType(_BFloat16(), count)), ir.VectorType(ir.IntType(16), count))
 
 
 def _u16_pointer(context, builder, array_type, array, element_offset, vector: ir.Type) -> ir.Value:
@@ -542,10 +544,8 @@ def _u16_pointer(context, builder, array_type, array, element_offset, vector: ir
 def put_bf16(typingctx, array, element_offset, value):
     """WIDTH floats rounded to bfloat16 into a uint16 array from element ``element_offset``."""
     def codegen(context, builder, sig, args):
-        high = builder.lshr(_bf16_in_high_half(builder, args[2]), ir.Constant(Ints.llvm_type(), [16] * WIDTH))
-        halves = ir.VectorType(ir.IntType(16), WIDTH)
-        builder.store(builder.trunc(high, halves),
-                      _u16_pointer(context, builder, sig.args[0], args[0], args[1], halves), align=2)
+        halves = _bf16_bits(builder, args[2])
+        builder.store(halves, _u16_pointer(context, builder, sig.args[0], args[0], args[1], halves.type), align=2)
         return context.get_dummy_value()
     return types.none(array, element_offset, Floats), codegen
 
@@ -556,10 +556,32 @@ def put_bf16_pairs(typingctx, array, element_offset, low, high):
     ``low`` then its ``high``, each rounded, side by side (the pairs a tile product's B rows
     hold: two consecutive values of its inner dimension for one output)."""
     def codegen(context, builder, sig, args):
-        lanes = Ints.llvm_type()
-        first = builder.lshr(_bf16_in_high_half(builder, args[2]), ir.Constant(lanes, [16] * WIDTH))
-        second = builder.and_(_bf16_in_high_half(builder, args[3]), ir.Constant(lanes, [-65536] * WIDTH))
-        builder.store(builder.or_(first, second),
-                      _u16_pointer(context, builder, sig.args[0], args[0], args[1], lanes), align=2)
+        order = [i // 2 + (i % 2) * WIDTH for i in range(2 * WIDTH)]
+        pairs = builder.shuffle_vector(args[2], args[3], ir.Constant(ir.VectorType(_I32, 2 * WIDTH), order))
+        halves = _bf16_bits(builder, pairs)
+        builder.store(halves, _u16_pointer(context, builder, sig.args[0], args[0], args[1], halves.type), align=2)
         return context.get_dummy_value()
     return types.none(array, element_offset, Floats, Floats), codegen
+
+
+@intrinsic
+def nearest_floats(typingctx, a):
+    """Each lane rounded to the nearest whole number, ties to even (one ``vrndscaleps``)."""
+    def codegen(context, builder, sig, args):
+        return call_intrinsic(builder, f"llvm.roundeven.v{WIDTH}f32", Floats.llvm_type(), [args[0]])
+    return Floats(Floats), codegen
+
+
+@intrinsic
+def scaled_by_pow2(typingctx, a, n):
+    """a · 2^n per lane for whole numbers n of any size (0 below float32's range): AVX-512's
+    ``vscalefps``, which only the 512-bit kernels (the tile unit's attention) use."""
+    if WIDTH != 16:
+        raise TypingError("scaled_by_pow2 needs AVX-512")
+
+    def codegen(context, builder, sig, args):
+        floats = Floats.llvm_type()
+        return call_intrinsic(builder, "llvm.x86.avx512.mask.scalef.ps.512", floats,
+                              [args[0], args[1], ir.Constant(floats, ir.Undefined),
+                               ir.Constant(ir.IntType(16), -1), ir.Constant(_I32, 4)])
+    return Floats(Floats, Floats), codegen
