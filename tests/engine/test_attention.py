@@ -207,8 +207,8 @@ def test_a_prompts_rows_get_the_same_bits_in_tasks_of_either_size():
         out = np.empty((b - a, n_kv * group * head_dim), dtype=np.float32)
         return attention.causal_attention(q[a:b], runs, values[:, :b], a, np.float32(0.125), 0, np.float32(0.0),
                                           out, True)
-    assert attention._task_positions(q, n_kv, values, True) == attention.TILE_QUERY_BLOCK  # 2 blocks x 4 heads
-    assert attention._task_positions(q[:150], n_kv, values, True) == attention.QUERY_BLOCK  # 1 x 4
+    assert attention.task_positions(q, n_kv, values, True) == attention.TILE_QUERY_BLOCK  # 2 blocks x 4 heads
+    assert attention.task_positions(q[:150], n_kv, values, True) == attention.QUERY_BLOCK  # 1 x 4
     whole = attend(0, n_tokens)
     for cuts in ([0, 150, 300], [0, 7, 8, 70, 300]):
         np.testing.assert_array_equal(np.concatenate([attend(a, b) for a, b in zip(cuts, cuts[1:])]), whole)

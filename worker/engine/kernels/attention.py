@@ -59,7 +59,7 @@ from worker.engine.kernels.wide_simd import (WIDTH, add_float, floor_floats, fma
 KEY_BLOCK = 64
 RUN = 16  # keys in a run of the key cache, which holds them dim by dim (``kv_cache.key_runs``)
 QUERY_BLOCK = 128
-TILE_QUERY_BLOCK = 256  # the tile unit's tasks, where there are enough of them (``_task_positions``)
+TILE_QUERY_BLOCK = 256  # the tile unit's tasks, where there are enough of them (``task_positions``)
 TILE_TASKS = 8
 TILE = 4  # rows a step of the scores and of the value sums takes
 DIRECT_ROWS = 8  # a task of at most this many rows reads the cache in place (no widened scratch)
@@ -619,7 +619,7 @@ def _takes_tiles(q, values, tiled):
 
 
 @njit(inline="always", cache=True)
-def _task_positions(q, n_kv, values, tiled):
+def task_positions(q, n_kv, values, tiled):
     """Query positions a task takes: the tile unit's TILE_QUERY_BLOCK (its rows share the rounding
     of each key block) where that still makes TILE_TASKS tasks, else QUERY_BLOCK (a chunk of 256
     on gemma-3's one KV head: two tasks, not one). A row's bits do not depend on which rows share
@@ -664,7 +664,7 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out, ti
     """
     # the loop only hands out tasks: its body, compiled on its own, keeps numba's parallel
     # passes off the kernel (a first start compiles it in about half the time)
-    positions = _task_positions(q, keys.shape[0], values, tiled)
+    positions = task_positions(q, keys.shape[0], values, tiled)
     query_blocks = (q.shape[0] + positions - 1) // positions
     for task in prange(keys.shape[0] * query_blocks):
         # (prange counts in uint64: one signature of the task, not two)
