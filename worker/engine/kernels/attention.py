@@ -30,12 +30,12 @@ Where the CPU has the tile unit with bfloat16 products (AMX-BF16, beside the AMX
 GEMM takes), a call the caller marks as a prompt's rows (``tiled``: ``KVCache.prompt_rows``)
 takes its products there instead (``_attend_task_tiles``): queries, keys, values and the
 softmax's weights rounded to bfloat16, products exact and summed in float32, 16 rows at a time,
-tasks of TILE_QUERY_BLOCK positions; its softmax works in log2 units (``_weigh_rows``: a
-polynomial and ``vscalefps`` for 2^x, ``vcvtneps2bf16`` for the rounding). At a 16k-token
-context that attends about 4x as fast as the float32 loops (a Qwen3-0.6B layer's 512-query chunk
-on 2 cores of a Xeon, Emerald Rapids), whose AVX-512 ``vdpbf16ps`` there ran at half the
-multiply-adds a cycle of float32 FMAs. It is a path of its own, not bit for bit the
-loops': every prompt row takes it in any chunk, and decode steps and verified drafts keep the
+tasks of TILE_QUERY_BLOCK positions where there are enough of them (``task_positions``); its
+softmax works in log2 units (``_weigh_rows``: a polynomial and ``vscalefps`` for 2^x,
+``vcvtneps2bf16`` for the rounding). At a 16k-token context that attends about 4x as fast as
+the float32 loops (a Qwen3-0.6B layer's 512-query chunk on 2 cores of a Xeon, Emerald Rapids),
+whose AVX-512 ``vdpbf16ps`` there ran at half the multiply-adds a cycle of float32 FMAs. It
+is a path of its own, not bit for bit the loops': every prompt row takes it in any chunk, and decode steps and verified drafts keep the
 loops (a step's 16-row tile of a few rows' keys rounded afresh each time took 2.5x as long), so
 a greedy stream reads the same alone, batched or speculated, and a prompt sent again (or its
 last token recomputed) reads as before.
@@ -235,7 +235,8 @@ def _softmax_rows(scores, position, start, window, scale, softcap, running_max, 
     """Turn each row's raw scores over the key block from ``start`` into e^(s - max), zero the
     columns it does not see (every column, where it sees none), and rescale its sum and output to
     the new running maximum. The rows are a loop here, addressed in the whole arrays: a function
-    or a view per row would cost reference counting per row, as much as the rest of its work."""
+    or a view per row can cost reference counting per row (in the tile path's softmax it cost as
+    much as the rest of the row's work)."""
     for row in range(scores.shape[0]):
         lo, hi = key_span(start, position[row], window)
         lo, hi = lo - start, hi - start
