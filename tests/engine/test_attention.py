@@ -85,7 +85,8 @@ def test_compiled_attention_matches_the_reference(n_tokens, first_pos, window, s
     q = rng.standard_normal((n_tokens, n_kv * group, head_dim), dtype=np.float32)
     out = np.empty((n_tokens, n_kv * group * value_dim), dtype=np.float32)
     got = attention.causal_attention(q, key_runs(keys), values, first_pos, np.float32(0.2), window or 0,
-                                     np.float32(softcap or 0.0), out, False)
+                                     np.float32(softcap or 0.0), out, False,
+                                     attention.task_addresses(values.dtype))
     want = reference(q, keys, values, first_pos, 0.2, window, softcap)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(ops.causal_attention(q, keys, values, first_pos, 0.2, window, softcap), got)
@@ -150,7 +151,8 @@ def test_tile_attention_matches_the_reference_on_bfloat16_inputs(n_tokens, first
     def attend(tiled):
         out = np.empty((n_tokens, n_kv * group * value_dim), dtype=np.float32)
         return attention.causal_attention(q, key_runs(keys), values, first_pos, np.float32(0.2), window or 0,
-                                          np.float32(softcap or 0.0), out, tiled)
+                                          np.float32(softcap or 0.0), out, tiled,
+                                          attention.task_addresses(values.dtype))
     got = attend(True)
     rounded = reference(bfloat16(q), bfloat16(keys), bfloat16(values), first_pos, 0.2, window, softcap)
     np.testing.assert_allclose(got, rounded, rtol=0, atol=np.abs(values).max() / 256)
@@ -185,7 +187,7 @@ def test_a_query_gets_the_same_bits_in_any_chunk(group, window, half, head_dim, 
     def attend(a, b):
         out = np.empty((b - a, n_kv * group * head_dim), dtype=np.float32)
         return attention.causal_attention(q[a:b], runs, values[:, :b], a, np.float32(0.125), window,
-                                          np.float32(0.0), out, tiled)
+                                          np.float32(0.0), out, tiled, attention.task_addresses(values.dtype))
     whole = attend(0, n_tokens)
     for cuts in ([0, 7, 8, 70, 150], list(range(151))):
         parts = [attend(a, b) for a, b in zip(cuts, cuts[1:])]
@@ -206,7 +208,7 @@ def test_a_prompts_rows_get_the_same_bits_in_tasks_of_either_size():
     def attend(a, b):
         out = np.empty((b - a, n_kv * group * head_dim), dtype=np.float32)
         return attention.causal_attention(q[a:b], runs, values[:, :b], a, np.float32(0.125), 0, np.float32(0.0),
-                                          out, True)
+                                          out, True, attention.task_addresses(values.dtype))
     assert attention.task_positions(q, n_kv, values, True) == attention.TILE_QUERY_BLOCK  # 2 blocks x 4 heads
     assert attention.task_positions(q[:150], n_kv, values, True) == attention.QUERY_BLOCK  # 1 x 4
     whole = attend(0, n_tokens)

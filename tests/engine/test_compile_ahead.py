@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,10 +12,12 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from worker.engine import kernels
+from worker.engine.kernels.attention import TILED
 from worker.engine.compile_ahead import (HELPER, QUANTIZERS_COST, describe, job_cost, leaf_jobs, pending, shares,
                                          steps_job)
 
 Q = GGMLQuantizationType
+TASKS = ["attention-loops:f16", "attention-tiles:f16"]  # the attention's tasks, beside their callers' job
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels need AVX2, FMA and F16C")
 
 
@@ -28,6 +31,7 @@ def test_the_jobs_say_what_a_file_needs():
         "Q8_0 matrices, the qwen3 block steps for these weight types"
     assert describe(["attention:f16", "gemm:Q4_1", "rows:Q8_0"]) == \
         "attention over an f16 cache, Q4_1 matrices, Q8_0 matrices without the tile loop"
+    assert describe([*TASKS, "attention:f16", "gemm:Q8_0"]) == "attention over an f16 cache, Q8_0 matrices"
 
 
 def test_the_block_steps_are_one_job_per_architecture_weight_types_and_cache_type(default_model):
@@ -44,11 +48,13 @@ def test_the_block_steps_are_one_job_per_architecture_weight_types_and_cache_typ
 
 
 @pytest.mark.parametrize("jobs", [
-    ["attention:f16", "gemm:Q5_0", "gemm:Q8_0", "gemm:Q4_K", "gemm:Q6_K"],  # gemma-3-270m Q4_K_M
-    ["attention:f16", "gemm:Q4_1", "rows:Q8_0"],  # SmolLM2 Q4_1: a Q8_0 head over Q4_1 layers
-    ["attention:f32", "gemm:Q4_0", "gemm:Q4_1", "gemm:Q5_0", "gemm:Q5_1", "gemm:Q8_0", "gemm:Q4_K", "gemm:Q6_K"],
+    [*TASKS, "attention:f16", "gemm:Q5_0", "rows:Q8_0", "gemm:Q4_K", "gemm:Q6_K"],  # gemma-3-270m Q4_K_M
+    [*TASKS, "attention:f16", "gemm:Q4_1", "rows:Q8_0"],  # SmolLM2 Q4_1: a Q8_0 head over Q4_1 layers
+    [*TASKS, "attention:f16", "gemm:Q8_0"],  # a Qwen3-0.6B-shaped Q8_0 file
+    ["attention-loops:f32", "attention:f32", "gemm:Q4_0", "gemm:Q4_1", "gemm:Q5_0", "gemm:Q5_1", "gemm:Q8_0",
+     "gemm:Q4_K", "gemm:Q6_K"],  # a CPU without the tile unit: no tile task
     ["gemm:Q5_0", "gemm:Q8_0"],  # attention compiled already
-    ["attention:f32"],
+    ["attention-loops:f32", "attention:f32"],
 ])
 @pytest.mark.parametrize("cores", [1, 2, 3, 8])
 def test_the_helpers_share_the_jobs_by_what_they_cost_matrices_first(jobs, cores):
@@ -56,15 +62,21 @@ def test_the_helpers_share_the_jobs_by_what_they_cost_matrices_first(jobs, cores
     assert sorted(job for share in helpers for job in share) == sorted(jobs)  # each job once
     assert len(helpers) == min(cores, len(jobs)) and all(helpers)  # never an idle helper
     for share in helpers:  # a helper's GEMMs before its attention: the steps around them start sooner
-        assert [job.startswith("attention:") for job in share] == sorted(job.startswith("attention:") for job in share)
+        attention = [job.startswith("attention") for job in share]
+        assert attention == sorted(attention)
     loads = [sum(map(job_cost, share)) for share in helpers]
     assert max(loads) - min(loads) <= max(map(job_cost, jobs)) + QUANTIZERS_COST  # balanced, as well as jobs allow
 
 
-def test_the_attention_costs_the_most_and_takes_a_helper_of_its_own_beside_a_few_gemms():
-    assert job_cost("attention:f16") > job_cost("gemm:Q8_0") >= job_cost("gemm:Q4_K") == job_cost("rows:Q8_0") > 0
-    assert shares(["attention:f16", "gemm:Q4_1", "rows:Q8_0"], 2) == [["attention:f16"], ["gemm:Q4_1", "rows:Q8_0"]]
-    assert shares(["attention:f16", "gemm:Q4_1", "rows:Q8_0"], 1) == [["gemm:Q4_1", "rows:Q8_0", "attention:f16"]]
+def test_the_attention_tasks_cost_the_most_and_their_callers_little():
+    """The float32 task is the costliest job; the callers, which call the tasks where they are
+    compiled rather than link them in, cost less than a GEMM."""
+    assert job_cost("attention-loops:f16") > job_cost("attention-tiles:f16") > job_cost("attention:f16") > 0
+    assert job_cost("attention-loops:f16") > job_cost("gemm:Q4_K") == job_cost("rows:Q8_0") > job_cost("attention:f16")
+    assert shares([*TASKS, "attention:f16", "gemm:Q4_K"], 2) == [["attention-loops:f16", "attention:f16"],
+                                                                 ["gemm:Q4_K", "attention-tiles:f16"]]
+    assert shares([*TASKS, "attention:f16", "gemm:Q4_1", "rows:Q8_0"], 1) == \
+        [["gemm:Q4_1", "rows:Q8_0", *TASKS, "attention:f16"]]
 
 
 def test_a_helper_compiles_and_marks_so_a_later_start_asks_for_nothing(tmp_path):
@@ -76,9 +88,10 @@ def test_a_helper_compiles_and_marks_so_a_later_start_asks_for_nothing(tmp_path)
         return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
                               check=True).stdout.split()
 
-    assert missing() == ["attention:f32", "gemm:Q4_0"]
+    attention = ["attention-loops:f32"] + ["attention-tiles:f32"] * TILED + ["attention:f32"]
+    assert missing() == attention + ["gemm:Q4_0"]
     subprocess.run([sys.executable, "-c", HELPER, "gemm:Q4_0"], env=env, check=True, timeout=600)
-    assert missing() == ["attention:f32"]  # marked: a later start spawns nothing for it
+    assert missing() == attention  # marked: a later start spawns nothing for it
     marks = [name for _, _, names in os.walk(tmp_path) for name in names if name.startswith("compiled-")]
     assert len(marks) == 1 and marks[0].endswith("gemm-Q4_0")
 
@@ -140,7 +153,8 @@ def test_a_head_whose_type_no_layer_shares_takes_the_gemm_without_tiles(default_
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
     jobs = subprocess.run([sys.executable, "-c", probe, str(default_model)], env=env, capture_output=True, text=True,
                           check=True).stdout.split()
-    assert jobs == ["attention:f16", "gemm:Q4_1", "rows:Q8_0"]
+    attention = ["attention-loops:f16"] + ["attention-tiles:f16"] * TILED + ["attention:f16"]
+    assert jobs == attention + ["gemm:Q4_1", "rows:Q8_0"]
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -167,3 +181,45 @@ def test_the_head_of_a_file_is_its_own_weight_or_the_embedding_it_is_tied_to(tmp
     file = GGUFFile(path)
     assert file.matrix_weights() == {Q.Q4_K: 64 * 256, Q.Q5_0: 64 * 256}
     assert file.head_type() == (Q.Q6_K if tied else Q.Q8_0)
+
+
+ATTEND_PROBE = """
+import json
+import numpy as np
+from worker.engine import kernels
+from worker.engine.kernels import attention
+from worker.engine.kv_cache import KVCache
+
+kernels.start_threads()
+cache = KVCache(1, 2, 32, 64, 32, "f16")
+rng = np.random.default_rng(0)
+for tokens, prompt in ((20, True), (1, False)):  # a prompt's rows (the tile task here), a decode step's
+    cache.prompt_end = cache.length + tokens if prompt else 0
+    q = rng.standard_normal((tokens, 4, 32), dtype=np.float32)
+    k, v = (rng.standard_normal((tokens, 2, 32), dtype=np.float32) for _ in range(2))
+    out = np.empty((tokens, 4 * 32), dtype=np.float32)
+    cache.reserve(tokens)
+    cache.store_and_attend(0, q, k, v, 0.125, 0, out)
+    assert np.isfinite(out).all()
+    cache.commit(list(range(tokens)))
+kernels_ = [attention._attend_task, attention.store_and_attend]  # causal_attention comes linked into its caller
+kernels_ += [attention._attend_task_tiles] if attention.TILED else []
+print(json.dumps({k.__name__: [sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values())]
+                  for k in kernels_}))
+"""
+
+
+def test_the_attention_jobs_compile_what_the_cache_calls_each_on_its_own(tmp_path):
+    """The attention's callers compile without their tasks (they call them where those are
+    compiled), so each job compiles in any helper in any order, the callers' first here; a
+    process that then attends over an f16 cache, a prompt's rows and a decode step, loads
+    every one of them from numba's cache and compiles none."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    jobs = ["attention:f16", "attention-loops:f16"] + ["attention-tiles:f16"] * TILED
+    for job in jobs:
+        subprocess.run([sys.executable, "-c", HELPER, job], env=env, check=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", ATTEND_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {name: misses for name, (_, misses) in loaded.items() if misses} == {}  # nothing compiled afresh
+    assert all(hits >= 1 for hits, _ in loaded.values()), loaded

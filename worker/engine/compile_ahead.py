@@ -1,13 +1,13 @@
 """A first start on a CPU: the heaviest kernels compiled in parallel processes, ahead of the rest.
 
 numba compiles a kernel on its first call and keeps it in its disk cache, one process at a
-time. The leaf kernels (the attention over the cache's type, the GEMM of each block type of the
-layers' matrices, the head's) take most of a first start and need nothing of the model but
-those types, so ``start`` hands them to helper processes (as many as there are cores, the jobs
-balanced by what they cost) as soon as a file's header is read, and they compile while the
-model loads. The warm-up compiles the block steps around the GEMMs as soon as those are done
-(``wait_for_matrices``), and the rest once the attention is (``wait``); they read the leaves
-from the cache.
+time. The leaf kernels (the attention's tasks over the cache's type and their callers, the GEMM
+of each block type of the layers' matrices, the head's) take most of a first start and need
+nothing of the model but those types, so ``start`` hands them to helper processes (as many as
+there are cores, the jobs balanced by what they cost) as soon as a file's header is read, and
+they compile while the model loads. The warm-up compiles the block steps around the GEMMs as
+soon as those are done (``wait_for_matrices``), and the rest once the attention is (``wait``);
+they read the leaves from the cache.
 
 Each helper marks what it compiled (a file in numba's cache directory, which is per version
 of the kernel sources, named for the CPU), so a later start spawns nothing. A helper that fails
@@ -18,7 +18,7 @@ itself, once for each combination of an architecture, its weights' types and the
 (``steps_job``): the warm-up marks that combination when it is done, so a start whose leaves
 are all cached but whose combination is new still says it compiles.
 
-    python -c "$HELPER" gemm:Q4_K rows:Q8_0 attention:f16   (what a helper runs: ``main``)
+    python -c "$HELPER" gemm:Q4_K rows:Q8_0 attention-loops:f16   (what a helper runs: ``main``)
 """
 
 from __future__ import annotations
@@ -65,15 +65,23 @@ def compile_job(job: str) -> None:
     # by an earlier process that did not mark them), needs the thread pool running (numba issue 8578)
     kernels.start_threads()
     kind, _, what = job.partition(":")
-    if kind == "attention":
+    if kind in ATTENTION_TASKS:
+        from worker.engine.kernels import attention
+
+        task = getattr(attention, ATTENTION_TASKS[kind])
+        task.compile(attention.task_signature(KV_DTYPES[what], tiles=kind == "attention-tiles"))
+    elif kind == "attention":  # compiled, not run: it would call its tasks, compiled apart
+        from numba import typeof
+
         from worker.engine.kernels import attention
         from worker.engine.kv_cache import key_runs
 
         dtype = KV_DTYPES[what]
         q, k, v = (np.zeros((2, 2, 16), np.float32) for _ in range(3))
         keys, values = key_runs(np.zeros((2, 8, 16), dtype)), np.zeros((2, 8, 16), dtype)
-        attention.store_and_attend(q, k, v, keys, values, 0, np.float32(1.0), 0, np.float32(0.0),
-                                   np.zeros((2, 32), np.float32), False)
+        arguments = (q, k, v, keys, values, 0, np.float32(1.0), 0, np.float32(0.0), np.zeros((2, 32), np.float32),
+                     False, (0, 0))
+        attention.store_and_attend.compile(tuple(map(typeof, arguments)))
     elif kind in ("gemm", "rows"):
         from worker.engine import panels
         from worker.engine.kernels.activations import QuantizedActivations
@@ -87,6 +95,11 @@ def compile_job(job: str) -> None:
     else:
         raise ValueError(f"unknown kernel job {job!r}")
     _marker(job).touch()
+
+
+# The attention's tasks, each a job of its own beside their callers' ("attention:<cache type>"),
+# which call them where they are compiled (``attention.task_addresses``), not linked in.
+ATTENTION_TASKS = {"attention-loops": "_attend_task", "attention-tiles": "_attend_task_tiles"}
 
 
 def _block_type(name: str):
@@ -146,35 +159,40 @@ def forget(job: str) -> None:
 
 
 def leaf_jobs(layer_weights: dict, head_type, kv_type: str) -> list[str]:
-    """The leaf kernels not yet compiled that a model needs: attention over its cache's type,
-    and the GEMM of each block type of its layers' matrices (``layer_weights``: weights of each)
-    and of its head (None: a head without panels), each of its kind (``weights.kernel_kind``)."""
+    """The leaf kernels not yet compiled that a model needs: attention over its cache's type
+    (its tasks, ``ATTENTION_TASKS``, and their callers), and the GEMM of each block type of its
+    layers' matrices (``layer_weights``: weights of each) and of its head (None: a head without
+    panels), each of its kind (``weights.kernel_kind``)."""
+    from worker.engine.kernels import attention
     from worker.engine.weights import kernel_kind
 
     kinds = {(t, kernel_kind(t, layer_weights)) for t in layer_weights}
     if head_type is not None:
         kinds.add((head_type, kernel_kind(head_type, layer_weights)))
-    jobs = [f"attention:{kv_type}"] + [f"{kind}:{getattr(t, 'name', t)}"
-                                       for t, kind in sorted(kinds, key=lambda k: (int(k[0]), k[1]))]
-    return [job for job in jobs if not _marker(job).exists()]
+    attend = f"attention:{kv_type}"
+    tasks = [f"attention-loops:{kv_type}"] + [f"attention-tiles:{kv_type}"] * attention.TILED
+    matrices = [f"{kind}:{getattr(t, 'name', t)}" for t, kind in sorted(kinds, key=lambda k: (int(k[0]), k[1]))]
+    jobs = (tasks + [attend] if pending(attend) else []) + matrices
+    return [job for job in jobs if pending(job)]
 
 
 # What a job costs to compile on one core, in units of one block type's GEMM (measured on a
-# 2-core Xeon: about 3.3 s a GEMM, 9 s for Q8_0's with its tile loop, 14 s for the attention
-# and 19 s with its tile path, and some 3 s more for a helper's first GEMM, which brings the
-# activations' quantizers along).
-ATTENTION_COST, TILED_ATTENTION_COST, TILED_COST, QUANTIZERS_COST = 4.0, 5.4, 2.7, 1.0
+# 2-core Xeon: about 3.3 s a GEMM, 9 s for Q8_0's with its tile loop, some 3 s more for a
+# helper's first GEMM, which brings the activations' quantizers along; the attention's float32
+# task 7 s, its tile task 4 s, their callers 1.5 s).
+ATTENTION_COSTS = {"attention-loops": 2.1, "attention-tiles": 1.2, "attention": 0.5}
+TILED_COST, QUANTIZERS_COST = 2.7, 1.0
+ATTENTION_NICENESS = 10
 
 
 def job_cost(job: str) -> float:
-    """A job's cost in those units: a GEMM with the tile loop where this CPU takes the tiles,
-    the attention with its own where it takes those."""
-    from worker.engine.kernels import attention, use_tiles
+    """A job's cost in those units: a GEMM with the tile loop where this CPU takes the tiles."""
+    from worker.engine.kernels import use_tiles
     from worker.engine.weights import FEW_ROWS_KERNELS
 
     kind, _, what = job.partition(":")
-    if kind == "attention":
-        return TILED_ATTENTION_COST if attention.TILED else ATTENTION_COST
+    if kind in ATTENTION_COSTS:
+        return ATTENTION_COSTS[kind]
     return TILED_COST if kind == "gemm" and _block_type(what) in FEW_ROWS_KERNELS and use_tiles() else 1.0
 
 
@@ -182,19 +200,23 @@ def shares(jobs: list[str], cores: int) -> list[list[str]]:
     """The jobs of each helper, one helper a core at most, balanced by what each costs (the
     costliest first, each to the helper with least to do). A helper compiles its matrices before
     the attention: the block steps around them (``DecoderModel.warm_products``) compile here as
-    soon as every GEMM is done, while the attention still compiles there."""
+    soon as every GEMM is done, while the attention still compiles there. The attention's jobs
+    run ATTENTION_NICENESS lower in priority (``main``): nothing waits for them before the
+    steps are done, so while the model loads and the GEMMs and steps compile they take what
+    cores those leave (a first start of a Qwen3-0.6B-shaped Q8_0 file on 2 cores of a Xeon:
+    about 1 s sooner, alternating)."""
     helpers: list[list[str]] = [[] for _ in range(max(1, min(cores, len(jobs))))]
 
     def load(share: list[str]) -> float:
-        return sum(map(job_cost, share)) + QUANTIZERS_COST * any(not _attention(j) for j in share)
+        return sum(map(job_cost, share)) + QUANTIZERS_COST * any(_matrix(j) for j in share)
 
     for job in sorted(jobs, key=job_cost, reverse=True):
         min(helpers, key=lambda share: load(share + [job])).append(job)
-    return [sorted(share, key=_attention) for share in helpers if share]
+    return [sorted(share, key=lambda job: not _matrix(job)) for share in helpers if share]
 
 
-def _attention(job: str) -> bool:
-    return job.startswith("attention:")
+def _matrix(job: str) -> bool:
+    return not job.startswith("attention")
 
 
 @dataclass
@@ -222,7 +244,7 @@ class CompileAhead:
         """Wait until every GEMM is compiled: marked, or its helper gone (one that failed leaves
         its kernels to the warm-up). The attention may still be compiling."""
         for process in self.processes:
-            matrices = [job for job in process.args[3:] if not _attention(job)]
+            matrices = [job for job in process.args[3:] if _matrix(job)]
             while process.poll() is None and any(pending(job) for job in matrices):
                 time.sleep(0.05)
 
@@ -234,6 +256,11 @@ class CompileAhead:
 
 
 def main(argv: list[str]) -> int:
+    """Compile each job in turn, the attention's at a lower priority (``shares``)."""
+    lowered = False
     for job in argv:
+        if not _matrix(job) and not lowered:
+            os.nice(ATTENTION_NICENESS)  # an increment, which any process may take
+            lowered = True
         compile_job(job)
     return 0

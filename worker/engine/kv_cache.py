@@ -164,8 +164,10 @@ class KVCache:
         """``write`` and attention over the result in one compiled call (``attention.store_and_attend``):
         q [T, H, d], k [T, K, d], v [T, K, dv] float32, C-ordered; out [T, H*dv]; window and
         softcap 0 for none."""
-        return attention.store_and_attend(q, k, v, *self.kernel_arrays(layer), self.length, np.float32(scale),
-                                          window, np.float32(softcap), out, self.prompt_rows(q.shape[0]))
+        keys, values = self.kernel_arrays(layer)
+        return attention.store_and_attend(q, k, v, keys, values, self.length, np.float32(scale), window,
+                                          np.float32(softcap), out, self.prompt_rows(q.shape[0]),
+                                          attention.task_addresses(values.dtype))
 
     def prompt_rows(self, n_tokens: int) -> bool:
         """Whether the next ``n_tokens`` positions are all a prompt's (below ``prompt_end``): the

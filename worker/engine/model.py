@@ -14,6 +14,7 @@ reads each sequence's own cache, is done per sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -23,6 +24,7 @@ from shared.errors import ModelLoadError
 from worker.engine import kernels, ops
 from worker.engine.gguf_file import GGUFFile
 from worker.engine.kernels import fused, rowwise
+from worker.engine.kernels.attention import task_addresses
 from worker.engine.kv_cache import KV_TYPES, KVCache
 from worker.engine.weights import (
     FLOAT_KERNELS,
@@ -214,6 +216,12 @@ class FusedLayer:
     attention: tuple  # attention_inputs' arguments after x: norm, eps, wq, wk, wv, bq, bk, bv, q_norm, k_norm
     output: tuple  # attention_output's after x and attn: wo
     swiglu: tuple | None  # swiglu's after x: norm, eps, wg, wu, wd, n_ff (None: not a SwiGLU layer)
+
+
+def _no_tasks(dtype: np.dtype) -> tuple[int, int]:
+    """The attention's tasks' places as ``one_call_signatures`` gives them: of the type the real
+    ones have (``attention.task_addresses``), which finding would compile the tasks there."""
+    return (0, 0)
 
 
 class DecoderModel:
@@ -472,16 +480,18 @@ class DecoderModel:
         if spec is None or spec.swiglu is None:
             return self.ffn_half(i, self.attention_half(i, x, fp))
         if len(fp.caches) == 1 and self.one_call_blocks:  # one sequence (a lone stream's step, a prefill chunk)
-            return fused.dense_block(*self.one_call_arguments(i, x, fp.caches[0], fp.rope[i]))
+            return fused.dense_block(*self.one_call_arguments(i, x, fp.caches[0], fp.rope[i], task_addresses))
         fused.attention_output(x, self.fused_attention(i, x, fp), *spec.output)
         return fused.swiglu(x, *spec.swiglu)
 
-    def one_call_arguments(self, i: int, x: np.ndarray, cache: KVCache, rope: tuple) -> tuple:
-        """``fused.dense_block``'s arguments for layer i of one sequence."""
+    def one_call_arguments(self, i: int, x: np.ndarray, cache: KVCache, rope: tuple, tasks: Callable) -> tuple:
+        """``fused.dense_block``'s arguments for layer i of one sequence; ``tasks(dtype)``: where the
+        attention's tasks are (``attention.task_addresses``)."""
         hp, spec, options = self.hp, self.fused[i], self.attention_options[i]
-        return (x, spec.attention, (*rope, hp.n_head, hp.n_head_kv, hp.head_dim, hp.value_dim),
-                *cache.kernel_arrays(i), cache.length, np.float32(options.scale), options.window,
-                np.float32(options.softcap), cache.prompt_rows(x.shape[0]), spec.output, spec.swiglu)
+        keys, values = cache.kernel_arrays(i)
+        return (x, spec.attention, (*rope, hp.n_head, hp.n_head_kv, hp.head_dim, hp.value_dim), keys, values,
+                cache.length, np.float32(options.scale), options.window, np.float32(options.softcap),
+                cache.prompt_rows(x.shape[0]), tasks(values.dtype), spec.output, spec.swiglu)
 
     def one_call_signatures(self) -> set[tuple]:
         """The numba types of ``fused.dense_block``'s arguments for each of its layers (those of a
@@ -492,7 +502,7 @@ class DecoderModel:
         x = np.zeros((1, self.hp.n_embd), dtype=np.float32)
         cache, rope = self.new_cache(8), self.layer_rope_tables(np.arange(1))
         cache.reserve(1)
-        return {tuple(map(fused.dense_block.typeof_pyval, self.one_call_arguments(i, x, cache, rope[i])))
+        return {tuple(map(fused.dense_block.typeof_pyval, self.one_call_arguments(i, x, cache, rope[i], _no_tasks)))
                 for i in layers}
 
     def fused_attention(self, i: int, x: np.ndarray, fp: ForwardPass) -> np.ndarray:

@@ -150,11 +150,13 @@ def attend(q: np.ndarray, k: np.ndarray | None, v: np.ndarray | None, fp: Forwar
                 out[rows] = masked_attention(q[rows], cache.key_rows(layer, 0, seen), values, first, scale, window,
                                              bias[rows])
             elif _compiled_attention(q.shape[-1], values.shape[-1]):  # the cache's runs as they are
+                values = kernel_view(values)
                 out[rows] = attention.causal_attention(np.ascontiguousarray(q[rows], dtype=np.float32),
-                                                       kernel_view(cache.keys[layer]), kernel_view(values), first,
+                                                       kernel_view(cache.keys[layer]), values, first,
                                                        np.float32(scale), window, np.float32(softcap),
                                                        np.empty((end - start, q.shape[1] * values.shape[-1]),
-                                                                dtype=np.float32), cache.prompt_rows(end - start))
+                                                                dtype=np.float32), cache.prompt_rows(end - start),
+                                                       attention.task_addresses(values.dtype))
             else:
                 out[rows] = causal_attention(q[rows], cache.key_rows(layer, 0, seen), values, first, scale,
                                              window or None, softcap or None)
@@ -187,10 +189,11 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_
     n_kv, n_keys, _ = keys.shape
     value_dim = values.shape[-1]
     if _compiled_attention(head_dim, value_dim):
-        out = np.empty((n_tokens, n_head * value_dim), dtype=np.float32)
+        out, values = np.empty((n_tokens, n_head * value_dim), dtype=np.float32), kernel_view(values)
         return attention.causal_attention(np.ascontiguousarray(q, dtype=np.float32), kernel_view(key_runs(keys)),
-                                          kernel_view(values), first_pos, np.float32(scale), window or 0,
-                                          np.float32(softcap or 0.0), out, False)
+                                          values, first_pos, np.float32(scale), window or 0,
+                                          np.float32(softcap or 0.0), out, False,
+                                          attention.task_addresses(values.dtype))
     keys, values = keys.astype(np.float32, copy=False), values.astype(np.float32, copy=False)
     group = n_head // n_kv
     keys_t = keys.transpose(0, 2, 1)

@@ -39,13 +39,19 @@ is a path of its own, not bit for bit the loops': every prompt row takes it in a
 loops (a step's 16-row tile of a few rows' keys rounded afresh each time took 2.5x as long), so
 a greedy stream reads the same alone, batched or speculated, and a prompt sent again (or its
 last token recomputed) reads as before.
+
+The parallel loop (``causal_attention``) calls each task where it is compiled
+(``task_addresses``), not linked into it, so that it and its callers compile in seconds less,
+and a first start compiles each task in a helper process of its own (``compile_ahead``).
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import from_dtype, njit, prange, types
 from numba.extending import intrinsic
 
 from worker.engine.kernels import target_has, tiles, use_tiles
@@ -632,27 +638,77 @@ def task_positions(q, n_kv, values, tiled):
 
 
 @njit(inline="always", cache=True)
-def _either_task(q, keys, values, first_pos, scale, window, softcap, out, task, tiled, positions):
-    """The tile unit's task where ``_takes_tiles``, the vector loops' otherwise."""
+def _task(q, keys, values, first_pos, scale, window, softcap, out, task, tiled, positions, tasks):
+    """The tile unit's task where ``_takes_tiles``, the vector loops' otherwise, each where
+    ``tasks`` says it is (``task_addresses``)."""
     if _takes_tiles(q, values, tiled):
-        _attend_task_tiles(q, keys, values, first_pos, scale, window, softcap, out, task, positions)
+        _call_task(tasks[1], (q, keys, values, first_pos, scale, window, softcap, out, task, positions))
     else:
-        _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task)
-
-
-@njit(inline="always", cache=True)
-def _vector_task(q, keys, values, first_pos, scale, window, softcap, out, task, tiled, positions):
-    _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task)
+        _call_task(tasks[0], (q, keys, values, first_pos, scale, window, softcap, out, task))
 
 
 # chosen here, as the GEMM's tiles are: where there is no tile unit, nothing that names one compiles
 TILED = use_tiles() and target_has("amx-bf16")
-_task = _either_task if TILED else _vector_task
 _TILE_CONFIGURATION = tiles.ATTENTION_CONFIGURATION
 
 
+def _task_types(kv, tiles: bool) -> tuple:
+    """The argument types of a task over a cache whose arrays hold ``kv`` (a numba type): as
+    ``store_and_attend`` passes them (values cut to the positions written: any layout), and
+    a tile task's positions besides."""
+    signature = (types.float32[:, :, ::1], kv[:, :, :, ::1], kv[:, :, :], types.int64, types.float32, types.int64,
+                 types.float32, types.float32[:, ::1], types.int64)
+    return signature + (types.int64,) * tiles
+
+
+def task_signature(dtype: np.dtype, tiles: bool = False) -> tuple:
+    """The types each task compiles for, over a cache whose kernel arrays (``kv_cache.kernel_view``)
+    are of ``dtype``: one signature, whatever layout a caller's values have."""
+    return _task_types(from_dtype(np.dtype(dtype)), tiles)
+
+
+@functools.cache
+def task_addresses(dtype: np.dtype) -> tuple[int, int]:
+    """Where the tasks over a cache of ``dtype`` are compiled (loading them from numba's cache, or
+    compiling them, the first time): the float32 loops' and the tile unit's (0 where this CPU has
+    none). ``causal_attention`` calls them there, so its callers compile without them. numba
+    links a callee into each caller and optimizes and compiles it again there, and the parallel
+    loop alone makes four callers: with the tasks linked in, ``causal_attention`` and
+    ``store_and_attend`` took 8 s of one core to compile on a Xeon; without, under 2 s."""
+    return (_address(_attend_task, task_signature(dtype)),
+            _address(_attend_task_tiles, task_signature(dtype, tiles=True)) if TILED else 0)
+
+
+def _address(kernel, signature: tuple) -> int:
+    kernel.compile(signature)
+    compiled = kernel.overloads[signature]
+    return compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
+
+
+@intrinsic
+def _call_task(typingctx, address, arguments):
+    """Call the task compiled at ``address`` (``task_addresses``) with the tuple ``arguments``,
+    each cast to the type it compiled for (a layout to any, an integer's width)."""
+    kv = arguments.types[1].dtype
+    target = _task_types(kv, tiles=len(arguments) == 10)
+    if len(arguments) not in (9, 10) or not all(typingctx.can_convert(given, wanted) is not None
+                                                for given, wanted in zip(arguments.types, target)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        given = signature.args[1].types
+        cast = [context.cast(builder, builder.extract_value(args[1], i), given[i], wanted)
+                for i, wanted in enumerate(target)]
+        function = context.call_conv.get_function_type(types.none, target)
+        callee = builder.inttoptr(args[0], function.as_pointer())
+        context.call_conv.call_function(builder, callee, types.none, target, cast)  # a task raises nothing
+        return context.get_dummy_value()
+
+    return types.none(address, arguments), codegen
+
+
 @njit(parallel=True, nogil=True, cache=True)
-def causal_attention(q, keys, values, first_pos, scale, window, softcap, out, tiled):
+def causal_attention(q, keys, values, first_pos, scale, window, softcap, out, tiled, tasks):
     """q [T, H, d]; keys [K, runs, d, RUN], the key cache's runs (``kv_cache.key_runs``), at
     least L keys and a whole number of key blocks of them; values [K, L, dv] with
     L = first_pos + T; out [T, H*dv]. Keys and values are float32, or uint16 holding IEEE
@@ -661,7 +717,8 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out, ti
     Query t (at position first_pos + t) sees key j iff j <= first_pos + t and, when window > 0,
     first_pos + t - j < window. softcap > 0 replaces a score s by softcap * tanh(s / softcap).
     ``tiled``: the rows are a prompt's (``KVCache.prompt_rows``), which take the tile unit's
-    bfloat16 path where this CPU has it (``TILED``); the float32 loops otherwise.
+    bfloat16 path where this CPU has it (``TILED``); the float32 loops otherwise. ``tasks``:
+    where those are compiled, ``task_addresses(values.dtype)``.
     """
     # the loop only hands out tasks: its body, compiled on its own, keeps numba's parallel
     # passes off the kernel (a first start compiles it in about half the time)
@@ -669,12 +726,12 @@ def causal_attention(q, keys, values, first_pos, scale, window, softcap, out, ti
     query_blocks = (q.shape[0] + positions - 1) // positions
     for task in prange(keys.shape[0] * query_blocks):
         # (prange counts in uint64: one signature of the task, not two)
-        _task(q, keys, values, first_pos, scale, window, softcap, out, np.int64(task), tiled, positions)
+        _task(q, keys, values, first_pos, scale, window, softcap, out, np.int64(task), tiled, positions, tasks)
     return out
 
 
 @njit(nogil=True, cache=True)
-def store_and_attend(q, k, v, keys, values, first_pos, scale, window, softcap, out, tiled):
+def store_and_attend(q, k, v, keys, values, first_pos, scale, window, softcap, out, tiled, tasks):
     """Write this step's k [T, K, d] and v [T, K, dv] at positions first_pos.. of a cache's
     keys [K, runs, d, RUN] (its runs) and values [K, capacity, dv] (float32 or f16 bits), then
     attend (``causal_attention``) over everything up to them."""
@@ -689,4 +746,4 @@ def store_and_attend(q, k, v, keys, values, first_pos, scale, window, softcap, o
             for i in range(0, value_dim, 8):
                 store_kv8(value, i, load_f32x8(v[t, h], i))
     end = first_pos + n_tokens
-    return causal_attention(q, keys, values[:, :end], first_pos, scale, window, softcap, out, tiled)
+    return causal_attention(q, keys, values[:, :end], first_pos, scale, window, softcap, out, tiled, tasks)

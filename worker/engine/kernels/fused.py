@@ -144,7 +144,7 @@ def swiglu(x, norm, eps, wg, wu, wd, n_ff):
 
 
 @njit(nogil=True, cache=True)
-def dense_block(x, attention_spec, rope, keys, values, first_pos, scale, window, softcap, tiled, output_spec,
+def dense_block(x, attention_spec, rope, keys, values, first_pos, scale, window, softcap, tiled, tasks, output_spec,
                 swiglu_spec):
     """A whole pre-norm block of one sequence in one call: ``attention_inputs``, the cache write
     and attention (``attention.store_and_attend``), ``attention_output``, ``swiglu``. The specs are
@@ -154,6 +154,6 @@ def dense_block(x, attention_spec, rope, keys, values, first_pos, scale, window,
     n_head, value_dim = rope[3], rope[6]
     q, k, v = attention_inputs(x, *attention_spec, *rope)
     attn = np.empty((x.shape[0], n_head * value_dim), dtype=np.float32)
-    attention.store_and_attend(q, k, v, keys, values, first_pos, scale, window, softcap, attn, tiled)
+    attention.store_and_attend(q, k, v, keys, values, first_pos, scale, window, softcap, attn, tiled, tasks)
     attention_output(x, attn, *output_spec)
     return swiglu(x, *swiglu_spec)
