@@ -219,8 +219,9 @@ class FusedLayer:
 
 
 def _no_tasks(dtype: np.dtype) -> tuple[int, int]:
-    """The attention's tasks' places as ``one_call_signatures`` gives them: of the type the real
-    ones have (``attention.task_addresses``), which finding would compile the tasks there."""
+    """Where ``one_call_signatures`` says the attention's tasks are: nowhere, in the type of
+    ``attention.task_addresses``' answer, which would compile the tasks to find them (in the
+    worker, on a first start, while its helpers compile them too)."""
     return (0, 0)
 
 
