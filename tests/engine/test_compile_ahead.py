@@ -12,12 +12,19 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from worker.engine import kernels
-from worker.engine.kernels.attention import TILED
 from worker.engine.compile_ahead import (HELPER, QUANTIZERS_COST, describe, job_cost, leaf_jobs, pending, shares,
                                          steps_job)
+from worker.engine.kernels.attention import TILED
 
 Q = GGMLQuantizationType
 TASKS = ["attention-loops:f16", "attention-tiles:f16"]  # the attention's tasks, beside their callers' job
+
+
+def attention_jobs(kv_type: str) -> list[str]:
+    """What a first start compiles of the attention on this CPU: the tile task only where it has the unit."""
+    return [f"attention-loops:{kv_type}"] + [f"attention-tiles:{kv_type}"] * TILED + [f"attention:{kv_type}"]
+
+
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels need AVX2, FMA and F16C")
 
 
@@ -88,7 +95,7 @@ def test_a_helper_compiles_and_marks_so_a_later_start_asks_for_nothing(tmp_path)
         return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
                               check=True).stdout.split()
 
-    attention = ["attention-loops:f32"] + ["attention-tiles:f32"] * TILED + ["attention:f32"]
+    attention = attention_jobs("f32")
     assert missing() == attention + ["gemm:Q4_0"]
     subprocess.run([sys.executable, "-c", HELPER, "gemm:Q4_0"], env=env, check=True, timeout=600)
     assert missing() == attention  # marked: a later start spawns nothing for it
@@ -153,8 +160,7 @@ def test_a_head_whose_type_no_layer_shares_takes_the_gemm_without_tiles(default_
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
     jobs = subprocess.run([sys.executable, "-c", probe, str(default_model)], env=env, capture_output=True, text=True,
                           check=True).stdout.split()
-    attention = ["attention-loops:f16"] + ["attention-tiles:f16"] * TILED + ["attention:f16"]
-    assert jobs == attention + ["gemm:Q4_1", "rows:Q8_0"]
+    assert jobs == attention_jobs("f16") + ["gemm:Q4_1", "rows:Q8_0"]
 
 
 @pytest.mark.parametrize("tied", [True, False])
