@@ -37,16 +37,25 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from itertools import accumulate, islice, repeat
 from pathlib import Path
-from typing import Any
-
-from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
-from tokenizers import Tokenizer as _HFTokenizer
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from shared.errors import TokenizerError
 from shared.tokenizer_spec import PIECE_ERRORS, SPEC_FORMAT, PackedStrings, TokenizerSpec
 from shared.wire_types import WireTypeError, checked
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as _HFTokenizer
+
 log = logging.getLogger(__name__)
+
+
+def _hf() -> ModuleType:
+    """The Hugging Face ``tokenizers`` library, imported when an encoder is first built from it:
+    a process that only decodes (a worker), or whose vocabulary's encoder is our own (a
+    SentencePiece vocabulary's), never loads it (3 MiB of a gateway serving gemma-3-270m)."""
+    import tokenizers
+    return tokenizers
 
 TOKEN_NORMAL = 1
 TOKEN_UNKNOWN = 2
@@ -294,8 +303,9 @@ class PieceIndex:
 
 def with_added(backend: _HFTokenizer, added: AddedTexts) -> Callable[[str], list[int]]:
     """A Hugging Face encoder with the added tokens registered, as a function from text to ids."""
-    backend.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in added.special])
-    backend.add_tokens([AddedToken(text, special=False, normalized=False) for text in added.user_defined])
+    added_token = _hf().AddedToken
+    backend.add_special_tokens([added_token(text, special=True, normalized=False) for text in added.special])
+    backend.add_tokens([added_token(text, special=False, normalized=False) for text in added.user_defined])
     # When off, tokens added as "special" are not matched; user-defined ones still are.
     backend.encode_special_tokens = not added.match_special
     return lambda text: backend.encode(text, add_special_tokens=False).ids
@@ -353,9 +363,10 @@ class ByteLevelBPE(VocabularyModel):
     def encoder(cls, spec: TokenizerSpec, space_prefix: bool = True) -> _HFTokenizer:
         kind = PRE_KINDS[PRE_NAMES[spec.pre]]
         backend = _stored_merges_bpe(piece_ids(spec), spec.merges, ignore_merges=kind.ignore_merges)
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in kind.splits]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        hf = _hf()
+        backend.pre_tokenizer = hf.pre_tokenizers.Sequence(
+            [hf.pre_tokenizers.Split(hf.Regex(pattern), behavior="isolated") for pattern in kind.splits]
+            + [hf.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
         return backend
 
@@ -363,7 +374,8 @@ class ByteLevelBPE(VocabularyModel):
 def _stored_merges_bpe(vocab: dict[str, int], lines: list[str], **options: Any) -> _HFTokenizer:
     """A BPE encoder from a file's merges ("left right" strings)."""
     try:
-        return _HFTokenizer(models.BPE(vocab=vocab, merges=_merge_pairs(lines), **options))
+        hf = _hf()
+        return hf.Tokenizer(hf.models.BPE(vocab=vocab, merges=_merge_pairs(lines), **options))
     except Exception as exc:  # the tokenizers library raises a bare Exception here
         raise TokenizerError(f"the vocabulary's BPE merges are inconsistent: {exc}") from exc
 
@@ -514,11 +526,13 @@ class SentencePieceBPE(VocabularyModel):
         scores = array("f")
         scores.frombytes(spec.scores)
         merges = sentencepiece_merges(spec.tokens(), spec.token_types, scores)
-        backend = _HFTokenizer(models.BPE(vocab=piece_ids(spec), merges=merges, byte_fallback=True, fuse_unk=False))
-        steps = [normalizers.Replace(" ", "\u2581")]
+        hf = _hf()
+        backend = hf.Tokenizer(hf.models.BPE(vocab=piece_ids(spec), merges=merges, byte_fallback=True,
+                                             fuse_unk=False))
+        steps = [hf.normalizers.Replace(" ", "\u2581")]
         if spec.add_space_prefix and space_prefix:
-            steps.insert(0, normalizers.Prepend(" "))
-        backend.normalizer = normalizers.Sequence(steps)
+            steps.insert(0, hf.normalizers.Prepend(" "))
+        backend.normalizer = hf.normalizers.Sequence(steps)
         return backend
 
     @classmethod
@@ -702,8 +716,9 @@ class Gemma4BPE(SentencePieceBPE):
     @classmethod
     def encoder(cls, spec: TokenizerSpec, space_prefix: bool = True) -> _HFTokenizer:
         backend = _stored_merges_bpe(piece_ids(spec), spec.merges, byte_fallback=True, fuse_unk=False)
-        backend.normalizer = normalizers.Replace(" ", "\u2581")
-        backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+        hf = _hf()
+        backend.normalizer = hf.normalizers.Replace(" ", "\u2581")
+        backend.pre_tokenizer = hf.pre_tokenizers.Split(hf.Regex(r"[^\n]+|\n+"), behavior="isolated")
         return backend
 
 
@@ -727,7 +742,6 @@ class Tokenizer:
         self._add_bos: bool = spec.add_bos
         self._add_eos: bool = spec.add_eos
 
-        tokens = spec.tokens()  # the strings, only while the tables below are made
         # the few texts looked up here, in one pass over the vocabulary
         found = {text: index for text in END_OF_TURN_TEXTS
                  if (index := self._pieces.find(text)) is not None}
@@ -742,6 +756,11 @@ class Tokenizer:
         self._stop_ids = frozenset(stop_ids)
         self._special_ids = frozenset(ids_of_types(self._effective_types, (TOKEN_CONTROL, TOKEN_UNKNOWN)))
         self._user_defined_ids = frozenset(ids_of_types(self._effective_types, (TOKEN_USER_DEFINED,)))
+        # The strings, only while the tables below are made, and made after the small objects
+        # kept (the ids' sets): a 262k vocabulary's strings fill some 17 MB of the interpreter's
+        # small-object arenas, and an arena goes back only when nothing in it lives on. Made
+        # before the sets, they left 1.5-2 MiB more of a Gemma tokenizer in each process.
+        tokens = spec.tokens()
         # Added tokens are raw text; everything else is a byte-level string. All of them in one
         # blob (a bytes object per token would cost five times as much for a large vocabulary).
         pieces = self._model.all_piece_bytes(tokens, self._types)

@@ -4,6 +4,9 @@ import which, and that no module reaches into another module's private names."""
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,6 +125,18 @@ def test_only_cartridge_training_imports_torch():
         tree = ast.parse(path.read_text(encoding="utf-8"))
         top_level = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
         assert not any(isinstance(n, ast.ImportFrom) and n.module == "training.trainer" for n in top_level), path
+
+
+def test_serving_loads_llguidance_and_hugging_face_tokenizers_only_when_a_request_needs_them():
+    """A worker imports llguidance with its first grammar, and a process builds a Hugging Face
+    encoder only for a vocabulary whose encoder is one (a gateway's first encode of a BPE
+    vocabulary): importing the serving processes' modules loads neither (each costs a process
+    megabytes that a model served without grammars, or a SentencePiece vocabulary, never uses)."""
+    code = ("import json, sys\n"
+            "import gateway.main, launcher.serve, worker.main, worker.scheduler, worker.server\n"
+            "print(json.dumps(sorted({'llguidance', 'tokenizers'} & set(sys.modules))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
 
 
 def module_name(path: Path) -> str:

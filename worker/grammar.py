@@ -5,17 +5,21 @@ The llguidance tokenizer is built from the same GGUF vocabulary the engine uses:
 raw bytes, with control tokens (and user-defined ones shaped ``<...>``, such as ``<tool_call>``)
 marked special so grammars name them as tokens, and the model's end-of-turn ids as EOS.
 Compilation runs on a small thread pool, off the decode path.
+
+llguidance itself is imported with the first grammar: a worker that never constrains a reply
+does not hold it (2-4 MiB of a worker's memory: its library's pages and its Python side).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import llguidance as llg
-import llguidance.numpy as llnp
 import numpy as np
 
 from shared.errors import InvalidRequestError
@@ -23,11 +27,21 @@ from shared.protocol import Grammar, GrammarKind
 from shared.tokenizer import Tokenizer
 from worker import metrics
 
+if TYPE_CHECKING:
+    import llguidance as llg
+
 # Compact JSON with at most a little whitespace: a small model left free to emit whitespace can
 # loop on it forever inside a JSON value.
 JSON_OPTIONS = {"whitespace_pattern": r"[ \n]{0,2}"}
-# The matcher's default resource limits, with errors that say what failed and not the parser state.
-LIMITS = llg.LLParserLimits(verbose_errors=False)
+
+
+@functools.cache
+def _llguidance() -> tuple[ModuleType, ModuleType, "llg.LLParserLimits"]:
+    """llguidance, its numpy helpers, and the matcher's default resource limits with errors that
+    say what failed and not the parser state; imported the first time a grammar needs them."""
+    import llguidance
+    import llguidance.numpy
+    return llguidance, llguidance.numpy, llguidance.LLParserLimits(verbose_errors=False)
 
 
 def error_text(matcher: llg.LLMatcher) -> str:
@@ -60,7 +74,7 @@ class GrammarEngine:
         self._ll_tokenizer: llg.LLTokenizer | None = None
         self._lock = threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
-        self.executor = llg.LLExecutor()
+        self._executor: llg.LLExecutor | None = None
         # where a grammar that waits for the end of reasoning starts (GENERATE grammar_after_reasoning)
         self.think_close = tokenizer.piece_to_id(reasoning_close) if reasoning_close else None
         # the llguidance tokenizer (and the encoder it calls) is built with the first grammar: a
@@ -69,6 +83,7 @@ class GrammarEngine:
     def ll_tokenizer(self) -> llg.LLTokenizer:
         with self._lock:
             if self._ll_tokenizer is None:
+                llg = _llguidance()[0]
                 stops = sorted(self.tokenizer.stop_ids) or [self.tokenizer.eos_id]
                 self._ll_tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary(self.tokenizer)),
                                                      n_vocab=self.n_vocab, eos_token=stops)
@@ -76,6 +91,7 @@ class GrammarEngine:
 
     def compile(self, kind: GrammarKind, source: str) -> str:
         """A serialized llguidance grammar, or InvalidRequestError naming what is wrong."""
+        llg, _, limits = _llguidance()
         if kind == GrammarKind.JSON_OBJECT:
             grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         elif kind == GrammarKind.JSON_SCHEMA:
@@ -95,7 +111,7 @@ class GrammarEngine:
             grammar = llg.LLMatcher.grammar_from_lark(source)
         else:  # GrammarKind.LLGUIDANCE
             grammar = source
-        error = llg.LLMatcher.validate_grammar(grammar, self.ll_tokenizer(), limits=LIMITS)
+        error = llg.LLMatcher.validate_grammar(grammar, self.ll_tokenizer(), limits=limits)
         if error:
             raise InvalidRequestError(f"the {kind.replace('_', ' ')} does not compile: {error.strip()}")
         return grammar
@@ -104,7 +120,8 @@ class GrammarEngine:
         """A matcher for a compiled grammar, tried first: a grammar that admits no text at all
         (``start: start``), or whose lexer blows up on its first steps (``a{1000000}``), is
         refused here, before a stream starts, rather than failing mid-reply."""
-        matcher = llg.LLMatcher(self.ll_tokenizer(), grammar, limits=LIMITS)
+        llg, _, limits = _llguidance()
+        matcher = llg.LLMatcher(self.ll_tokenizer(), grammar, limits=limits)
         if matcher.is_error():
             raise InvalidRequestError(f"the grammar does not compile: {error_text(matcher)}")
         tried = 0
@@ -140,7 +157,11 @@ class GrammarEngine:
 
     def masks(self, matchers: list[llg.LLMatcher]) -> np.ndarray:
         """Allowed-token masks [len(matchers), n_vocab] (bool), computed in one parallel call."""
+        llg, llnp, _ = _llguidance()
         bitmask = llnp.allocate_token_bitmask(len(matchers), self.ll_tokenizer().vocab_size)
-        llnp.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        with self._lock:
+            if self._executor is None:
+                self._executor = llg.LLExecutor()
+        llnp.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
         return bits[:, :self.n_vocab].astype(bool)

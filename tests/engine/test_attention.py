@@ -129,10 +129,11 @@ needs_tile_attention = pytest.mark.skipif(not attention.TILED, reason="the tile 
 @needs_tile_attention
 @pytest.mark.parametrize("n_tokens, first_pos, window, softcap, head_dim, value_dim, group", [
     (1, 0, None, None, 64, 64, 3),       # the first token, one tile of rows mostly padding
-    (1, 150, None, None, 128, 128, 2),   # one row per head over three key blocks
+    (1, 150, None, None, 128, 128, 2),   # one row per head over two key blocks (three of the loops')
     (37, 0, None, None, 64, 64, 3),      # a prompt: 111 rows, a partial last tile
     (37, 150, None, None, 256, 32, 4),   # a chunk after a prefix; gemma's 256-dim heads
     (21, 100, 50, None, 32, 16, 1),      # a sliding window that starts inside a key block
+    (40, 300, 100, None, 64, 64, 2),     # ... inside the second, the rows reaching into the third
     (5, 70, None, 30.0, 64, 48, 3),      # soft-capped scores, values three tiles wide
 ])
 def test_tile_attention_matches_the_reference_on_bfloat16_inputs(n_tokens, first_pos, window, softcap, head_dim,
@@ -223,7 +224,7 @@ def test_key_runs_hold_positions_dim_by_dim_in_whole_key_blocks(n_keys, d):
     rng = np.random.default_rng(n_keys)
     keys = rng.standard_normal((3, n_keys, d)).astype(np.float16)
     runs = key_runs(keys)
-    assert runs.shape == (3, -(-n_keys // attention.KEY_BLOCK) * attention.KEY_BLOCK // attention.RUN, d,
+    assert runs.shape == (3, -(-n_keys // attention.KEYS_WHOLE) * attention.KEYS_WHOLE // attention.RUN, d,
                           attention.RUN)
     p = n_keys - 1
     np.testing.assert_array_equal(runs[:, p // attention.RUN, :, p % attention.RUN], keys[:, p])

@@ -30,6 +30,29 @@ def _products(config, activations, stride, levels, out):
     tiles.release()
 
 
+@njit
+def _phases(count, sizes):
+    """For each size: where numba put an array of that many float32 values, and where
+    ``tiles.lined`` put arrays of ``count`` float32 and uint16 values just after it (each
+    address mod 64), and their lengths."""
+    out = np.empty((len(sizes), 5), dtype=np.int64)
+    for i, size in enumerate(sizes):
+        plain = np.empty(size, dtype=np.float32)
+        a, b = tiles.lined(count, np.float32), tiles.lined(count, np.uint16)
+        out[i] = plain.ctypes.data % 64, a.ctypes.data % 64, len(a), b.ctypes.data % 64, len(b)
+    return out
+
+
+def test_scratch_arrays_start_on_a_cache_line():
+    """numba aligns its arrays to 32 bytes only (some of the plain arrays here lie half a line
+    off); ``tiles.lined`` puts the first value on a line wherever the allocator lands, and gives
+    exactly the values asked for."""
+    got = _phases(1000, np.arange(1, 40, dtype=np.int64) * 8)
+    assert (got[:, 0] != 0).any()
+    assert (got[:, [1, 3]] == 0).all()
+    assert (got[:, [2, 4]] == 1000).all()
+
+
 @needs_tiles
 def test_a_tile_product_is_the_exact_integer_product():
     rng = np.random.default_rng(1)

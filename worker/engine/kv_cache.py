@@ -29,10 +29,13 @@ import numpy as np
 
 from worker.engine import kernels
 from worker.engine.kernels import attention
-from worker.engine.kernels.attention import KEY_BLOCK, RUN
+from worker.engine.kernels.attention import KEYS_WHOLE, RUN
 
 GROWTH_BLOCK = 256  # tokens added per growth step
-READ_MARGIN = 64  # attention reads whole key blocks of 64 from the one holding a window's first key
+# a decode step's attention reads whole key blocks of 64 from the one holding a window's first
+# key; a prompt's tile path reads blocks of 128, which may reach into positions given back: those
+# read as zeros, and it weighs them 0 as it does every key outside a row's window
+READ_MARGIN = 64
 RELEASE_STEP = 256  # positions of sliding layers given back at once
 KV_TYPES = {"f16": np.float16, "f32": np.float32}
 
@@ -109,7 +112,7 @@ class KVCache:
         keys_of: list[np.ndarray] = [np.empty(0)] * self.n_layer
         values_of: list[np.ndarray] = [np.empty(0)] * self.n_layer
         blocks = {}
-        runs = -(-new_capacity // KEY_BLOCK) * (KEY_BLOCK // RUN)  # whole key blocks: attention reads them so
+        runs = -(-new_capacity // KEYS_WHOLE) * (KEYS_WHOLE // RUN)  # whole key blocks: attention reads them so
         for (n_kv, d, dv), members in self._groups.items():
             keys = mapped_block((len(members), n_kv, runs, d, RUN), self.dtype)
             values = mapped_block((len(members), n_kv, new_capacity, dv), self.dtype)
@@ -389,7 +392,7 @@ def key_runs(keys: np.ndarray) -> np.ndarray:
     rRUN .. rRUN + RUN - 1 dim by dim, as many runs as whole key blocks of attention take
     (zeros past L)."""
     n_kv, n_keys, d = keys.shape
-    runs = -(-max(n_keys, 1) // KEY_BLOCK) * (KEY_BLOCK // RUN)
+    runs = -(-max(n_keys, 1) // KEYS_WHOLE) * (KEYS_WHOLE // RUN)
     padded = np.zeros((n_kv, runs * RUN, d), dtype=keys.dtype)
     padded[:, :n_keys] = keys
     return np.ascontiguousarray(padded.reshape(n_kv, runs, RUN, d).transpose(0, 1, 3, 2))

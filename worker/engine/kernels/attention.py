@@ -32,13 +32,17 @@ takes its products there instead (``_attend_task_tiles``): queries, keys, values
 softmax's weights rounded to bfloat16, products exact and summed in float32, 16 rows at a time,
 tasks of TILE_QUERY_BLOCK positions where there are enough of them (``task_positions``); its
 softmax works in log2 units (``_weigh_rows``: a polynomial and ``vscalefps`` for 2^x,
-``vcvtneps2bf16`` for the rounding). At a 16k-token context that attends about 4x as fast as
-the float32 loops (a Qwen3-0.6B layer's 512-query chunk on 2 cores of a Xeon, Emerald Rapids),
-whose AVX-512 ``vdpbf16ps`` there ran at half the multiply-adds a cycle of float32 FMAs. It
-is a path of its own, not bit for bit the loops': every prompt row takes it in any chunk, and decode steps and verified drafts keep the
-loops (a step's 16-row tile of a few rows' keys rounded afresh each time took 2.5x as long), so
-a greedy stream reads the same alone, batched or speculated, and a prompt sent again (or its
-last token recomputed) reads as before.
+``vcvtneps2bf16`` for the rounding). Its key blocks are TILE_KEY_BLOCK long, twice the loops':
+each tile of output sums is loaded and stored once a block, and a 512-query chunk at 16k took
+99-101 ms of one core against 114-119 ms with blocks of 64 (a key cache holds whole blocks of
+either length: ``KEYS_WHOLE``). Its scratch starts on cache lines (``tiles.lined``). At a
+16k-token context it attended about 4x as fast as the float32 loops already with blocks of 64
+(a Qwen3-0.6B layer's 512-query chunk on 2 cores of a Xeon, Emerald Rapids), whose AVX-512
+``vdpbf16ps`` there ran at half the multiply-adds a cycle of float32 FMAs. It is a path of its
+own, not bit for bit the loops': every prompt row takes it in any chunk, and decode steps and
+verified drafts keep the loops (a step's 16-row tile of a few rows' keys rounded afresh each
+time took 2.5x as long), so a greedy stream reads the same alone, batched or speculated, and a
+prompt sent again (or its last token recomputed) reads as before.
 
 The parallel loop (``causal_attention``) calls each task where it is compiled
 (``task_addresses``), not linked into it, so that it and its callers compile in seconds less,
@@ -63,6 +67,8 @@ from worker.engine.kernels.wide_simd import (WIDTH, add_float, floor_floats, fma
                                              scaled_by_pow2, splat_float, sub_float, to_eight, zeros_float)
 
 KEY_BLOCK = 64
+TILE_KEY_BLOCK = 128  # the tile unit's key blocks: half the passes over each tile of sums
+KEYS_WHOLE = max(KEY_BLOCK, TILE_KEY_BLOCK)  # a key cache holds a whole number of these (paths read whole blocks)
 RUN = 16  # keys in a run of the key cache, which holds them dim by dim (``kv_cache.key_runs``)
 QUERY_BLOCK = 128
 TILE_QUERY_BLOCK = 256  # the tile unit's tasks, where there are enough of them (``task_positions``)
@@ -115,10 +121,10 @@ def exp_nonpositive8(x):
 
 
 @njit(inline="always", cache=True)
-def key_span(start, pos, window):
-    """The keys of the block from ``start`` that the query at ``pos`` sees: lo..hi-1."""
+def key_span(start, pos, window, block):
+    """The keys of the ``block`` keys from ``start`` that the query at ``pos`` sees: lo..hi-1."""
     lo = max(start, pos - window + 1) if window > 0 else start
-    return lo, min(start + KEY_BLOCK, pos + 1)
+    return lo, min(start + block, pos + 1)
 
 
 @njit(inline="always", cache=True)
@@ -244,7 +250,7 @@ def _softmax_rows(scores, position, start, window, scale, softcap, running_max, 
     or a view per row can cost reference counting per row (in the tile path's softmax it cost as
     much as the rest of the row's work)."""
     for row in range(scores.shape[0]):
-        lo, hi = key_span(start, position[row], window)
+        lo, hi = key_span(start, position[row], window, KEY_BLOCK)
         lo, hi = lo - start, hi - start
         at = row * KEY_BLOCK
         if lo >= hi:
@@ -309,18 +315,18 @@ def _weigh_rows(scores, position, start, window, scale, softcap, running_max, ru
     maximum, and a row that sees the whole block skips the masks."""
     factor = scale * LOG2E
     for row in range(scores.shape[0]):
-        lo, hi = key_span(start, position[row], window)
+        lo, hi = key_span(start, position[row], window, TILE_KEY_BLOCK)
         lo, hi = lo - start, hi - start
-        at = row * KEY_BLOCK
+        at = row * TILE_KEY_BLOCK
         if lo >= hi:
             weights[row, :] = 0
             continue
         if softcap > 0:  # capped, and put back in the scores' units
             for j in range(lo, hi):
                 scores[row, j] = softcap * np.tanh(scores[row, j] * scale / softcap) / scale
-        whole = lo == 0 and hi == KEY_BLOCK
+        whole = lo == 0 and hi == TILE_KEY_BLOCK
         top = splat_float(-np.inf)
-        for c in range(0, KEY_BLOCK, WIDTH):
+        for c in range(0, TILE_KEY_BLOCK, WIDTH):
             x = load_floats(scores, at + c)
             top = max_float(top, x if whole else keep_lanes(x, c, lo, hi, -np.inf))
         new_max = largest_lane(top) * factor  # scale > 0: the largest score, scaled
@@ -331,7 +337,7 @@ def _weigh_rows(scores, position, start, window, scale, softcap, running_max, ru
             _rescale(acc, row, correction)
         times, shift = splat_float(factor), splat_float(-running_max[row])
         total = zeros_float()
-        for c in range(0, KEY_BLOCK, WIDTH):
+        for c in range(0, TILE_KEY_BLOCK, WIDTH):
             p = _exp2_lanes(fma_float(load_floats(scores, at + c), times, shift))
             if not whole:
                 p = keep_lanes(p, c, lo, hi, 0.0)
@@ -341,10 +347,12 @@ def _weigh_rows(scores, position, start, window, scale, softcap, running_max, ru
 
 
 @njit(inline="always", cache=True)
-def _tile_span(start, position, r, tile, window):
-    """The keys of the block from ``start`` that rows r..r+tile-1 may see: from the first row's
-    lo to the last row's hi (rows are in token order, and a span's ends grow with the position)."""
-    return key_span(start, position[r], window)[0], key_span(start, position[r + tile - 1], window)[1]
+def _tile_span(start, position, r, tile, window, block):
+    """The keys of the ``block`` keys from ``start`` that rows r..r+tile-1 may see: from the first
+    row's lo to the last row's hi (rows are in token order, and a span's ends grow with the
+    position)."""
+    return (key_span(start, position[r], window, block)[0],
+            key_span(start, position[r + tile - 1], window, block)[1])
 
 
 @njit(inline="always", cache=True)
@@ -495,10 +503,13 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
         position[r] = first_pos + t0 + real // group
         qf[r] = q[t0 + real // group, kv * group + real % group]
     key_runs = keys[kv].reshape(-1)  # the head's runs, one after another
-    kt = np.empty((0 if direct else head_dim, KEY_BLOCK), dtype=np.float32)
-    vf = np.empty((0 if direct else KEY_BLOCK, VALUE_STEP * WIDTH * v_steps), dtype=np.float32)
-    scores = np.empty((padded, KEY_BLOCK), dtype=np.float32)
-    acc = np.zeros((padded, VALUE_STEP * WIDTH * v_steps), dtype=np.float32)
+    kt = tiles.lined((0 if direct else head_dim) * KEY_BLOCK, np.float32).reshape((-1, KEY_BLOCK))
+    vf = tiles.lined((0 if direct else KEY_BLOCK) * VALUE_STEP * WIDTH * v_steps,
+                np.float32).reshape((-1, VALUE_STEP * WIDTH * v_steps))
+    scores = tiles.lined(padded * KEY_BLOCK, np.float32).reshape((padded, KEY_BLOCK))
+    acc = tiles.lined(padded * VALUE_STEP * WIDTH * v_steps,
+                      np.float32).reshape((padded, VALUE_STEP * WIDTH * v_steps))
+    acc[:] = 0
     running_max = np.full(padded, -np.inf, dtype=np.float32)
     running_sum = np.zeros(padded, dtype=np.float32)
     lowest = max(0, first_pos + t0 - window + 1) if window > 0 else 0
@@ -513,7 +524,7 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
                 _widen_row(values[kv, start + j] if present else values[kv, start], value_dim if present else 0,
                            vf, j, VALUE_STEP * v_steps)
         for r in range(0, padded, tile):
-            lo, hi = _tile_span(start, position, r, tile, window)
+            lo, hi = _tile_span(start, position, r, tile, window, KEY_BLOCK)
             if lo >= hi:
                 continue
             first_group = (lo - start) // WIDTH
@@ -525,7 +536,7 @@ def _attend_task(q, keys, values, first_pos, scale, window, softcap, out, task):
                     _scores_four(qf, kt, r, g0, head_dim, scores)
         _softmax_rows(scores, position, start, window, scale, softcap, running_max, running_sum, acc)
         for r in range(0, padded, tile):
-            lo, hi = _tile_span(start, position, r, tile, window)
+            lo, hi = _tile_span(start, position, r, tile, window, KEY_BLOCK)
             if lo < hi and direct:
                 _add_values_from_cache(values, kv, start, scores, r, lo - start, hi - start, acc)
             elif lo < hi:
@@ -559,7 +570,7 @@ def _attend_task_tiles(q, keys, values, first_pos, scale, window, softcap, out, 
     rows = (t1 - t0) * group
     padded = rows + (-rows) % tiles.ROWS
     position = np.empty(padded, dtype=np.int64)
-    queries = np.empty((padded, head_dim), dtype=np.uint16)
+    queries = tiles.lined(padded * head_dim, np.uint16).reshape((padded, head_dim))
     for r in range(padded):
         real = min(r, rows - 1)
         position[r] = first_pos + t0 + real // group
@@ -569,32 +580,33 @@ def _attend_task_tiles(q, keys, values, first_pos, scale, window, softcap, out, 
     key_runs = keys[kv].reshape(-1)
     head_values = values[kv]  # its rows addressed in the whole: a view per key would cost reference counting
     value_stride = head_values.strides[0] // head_values.itemsize
-    key_pairs = np.empty(KEY_BLOCK * head_dim, dtype=np.uint16)
-    value_pairs = np.empty(KEY_BLOCK * value_dim, dtype=np.uint16)
-    scores = np.empty((padded, KEY_BLOCK), dtype=np.float32)
-    weights = np.empty((padded, KEY_BLOCK), dtype=np.uint16)
-    acc = np.zeros((padded, value_dim), dtype=np.float32)
+    key_pairs = tiles.lined(TILE_KEY_BLOCK * head_dim, np.uint16)
+    value_pairs = tiles.lined(TILE_KEY_BLOCK * value_dim, np.uint16)
+    scores = tiles.lined(padded * TILE_KEY_BLOCK, np.float32).reshape((padded, TILE_KEY_BLOCK))
+    weights = tiles.lined(padded * TILE_KEY_BLOCK, np.uint16).reshape((padded, TILE_KEY_BLOCK))
+    acc = tiles.lined(padded * value_dim, np.float32).reshape((padded, value_dim))
+    acc[:] = 0
     running_max = np.full(padded, -np.inf, dtype=np.float32)
     running_sum = np.zeros(padded, dtype=np.float32)
     lowest = max(0, first_pos + t0 - window + 1) if window > 0 else 0
     last = first_pos + t1 - 1
     tiles.configure(_TILE_CONFIGURATION)
-    for start in range(lowest - lowest % KEY_BLOCK, last + 1, KEY_BLOCK):
-        count = min(KEY_BLOCK, n_keys - start)
+    for start in range(lowest - lowest % TILE_KEY_BLOCK, last + 1, TILE_KEY_BLOCK):
+        count = min(TILE_KEY_BLOCK, n_keys - start)
         base = start * head_dim
-        for g in range(KEY_BLOCK // RUN):
+        for g in range(TILE_KEY_BLOCK // RUN):
             run = base + g * head_dim * RUN
             for d in range(pairs):
                 put_bf16_pairs(key_pairs, (g * pairs + d) * 2 * RUN, load_widened_all(key_runs, run + 2 * d * RUN),
                                load_widened_all(key_runs, run + (2 * d + 1) * RUN))
-        for j in range(0, KEY_BLOCK, 2):
+        for j in range(0, TILE_KEY_BLOCK, 2):
             first, second = min(start + j, n_keys - 1) * value_stride, min(start + j + 1, n_keys - 1) * value_stride
             for n in range(value_tiles):
                 at = ((j // 32 * value_tiles + n) * 16 + j % 32 // 2) * 32
                 put_bf16_pairs(value_pairs, at, load_widened(head_values, first + 16 * n, 16 if j < count else 0),
                                load_widened(head_values, second + 16 * n, 16 if j + 1 < count else 0))
         for r in range(0, padded, tiles.ROWS):
-            lo, hi = _tile_span(start, position, r, tiles.ROWS, window)
+            lo, hi = _tile_span(start, position, r, tiles.ROWS, window, TILE_KEY_BLOCK)
             if lo >= hi:
                 continue
             for g in range((lo - start) // RUN, (hi - start + RUN - 1) // RUN):
@@ -602,17 +614,17 @@ def _attend_task_tiles(q, keys, values, first_pos, scale, window, softcap, out, 
                 for step in range(head_dim // 32):
                     tiles.add_bf16_product(queries, 2 * (r * head_dim + 32 * step), 2 * head_dim, key_pairs,
                                            64 * (g * pairs + 16 * step))
-                tiles.store_sums(scores, 4 * (r * KEY_BLOCK + RUN * g), 4 * KEY_BLOCK)
+                tiles.store_sums(scores, 4 * (r * TILE_KEY_BLOCK + RUN * g), 4 * TILE_KEY_BLOCK)
         _weigh_rows(scores, position, start, window, scale, softcap, running_max, running_sum, acc, weights)
         for r in range(0, padded, tiles.ROWS):
-            lo, hi = _tile_span(start, position, r, tiles.ROWS, window)
+            lo, hi = _tile_span(start, position, r, tiles.ROWS, window, TILE_KEY_BLOCK)
             if lo >= hi:
                 continue
             for n in range(value_tiles):
                 tiles.load_sums(acc, 4 * (r * value_dim + 16 * n), 4 * value_dim)
                 for half in range((lo - start) // 32, (hi - start + 31) // 32):
-                    tiles.add_bf16_product(weights, 2 * (r * KEY_BLOCK + 32 * half), 2 * KEY_BLOCK, value_pairs,
-                                           64 * 16 * (half * value_tiles + n))
+                    tiles.add_bf16_product(weights, 2 * (r * TILE_KEY_BLOCK + 32 * half), 2 * TILE_KEY_BLOCK,
+                                           value_pairs, 64 * 16 * (half * value_tiles + n))
                 tiles.store_sums(acc, 4 * (r * value_dim + 16 * n), 4 * value_dim)
     tiles.release()
     _write_rows(out, acc, running_sum, rows, t0, kv, group, value_dim)
