@@ -15,7 +15,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -171,25 +170,10 @@ class WorkerServer:
             self._thread_local.push = push
         return push
 
-    def serve_forever(self, before: Callable[[], None] | None = None) -> None:
-        """Answer gateways until ``stop``. ``before`` runs first on the engine thread (a warm
-        start's warm-up): gateways get the card and build their view of the model meanwhile, and
-        requests wait in the queue until it is done. If it fails, serving ends and its error is
-        raised here."""
+    def serve_forever(self) -> None:
+        """Answer gateways until ``stop`` (the engine warmed up already: ``Engine.warm_up``)."""
         self._thread_local.io = True
-        failure: list[BaseException] = []
-
-        def engine() -> None:
-            if before is not None:
-                try:
-                    before()
-                except BaseException as exc:  # raised again on this thread, once serving ends
-                    failure.append(exc)
-                    self.stop()
-                    return
-            self.scheduler.run()
-
-        engine_thread = threading.Thread(target=engine, name="engine", daemon=True)
+        engine_thread = threading.Thread(target=self.scheduler.run, name="engine", daemon=True)
         engine_thread.start()
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
@@ -229,8 +213,6 @@ class WorkerServer:
             self.scheduler.spill_resident()
             self.router.close(0)
             self.outbox.close(0)
-        if failure:
-            raise failure[0]
 
     def _handle(self, identity: bytes, frames: list[bytes]) -> None:
         try:

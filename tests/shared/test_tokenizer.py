@@ -236,15 +236,30 @@ def test_the_vocabulary_is_held_as_one_blob_and_looked_up_by_hash(tokenizers):
     for index, piece in enumerate(tokens):
         first.setdefault(piece, index)
     assert all(tokenizer.id_to_piece(i) == piece for i, piece in enumerate(tokens))
-    assert all(tokenizer.piece_to_id(piece) == index for piece, index in first.items())
-    assert tokenizer.piece_to_id("no such piece \u2581\u2581") is None
-    index = PieceIndex(spec)
+    index = tokenizer.piece_index  # an encoder's, made on first use
+    assert all(index.get(piece) == at for piece, at in first.items())
+    assert index.get("no such piece \u2581\u2581") is None
     assert len(index.keys) == spec.vocab_size and index.keys.itemsize == 8
     # equal pieces and pieces beyond the BMP travel and are found
     odd = ["x", "\U0001f30d", "\u00e9", "x", "\u2581a"]
     rebuilt = Tokenizer.from_spec(msgpack.unpackb(msgpack.packb(dataclasses.asdict(_spec(odd))), raw=False))
     assert [rebuilt.id_to_piece(i) for i in range(5)] == odd
     assert [rebuilt.piece_to_id(piece) for piece in odd] == [0, 1, 2, 0, 4]
+
+
+def test_a_tokenizer_that_only_decodes_finds_pieces_without_an_index(tokenizers):
+    """A worker's tokenizer never encodes: ``piece_to_id`` finds a piece in the blob, with the
+    index's answers (the first of equal pieces), and its 3 MB index is never made."""
+    spec = tokenizers["gemma3"].to_spec()
+    decoder = Tokenizer.from_spec(spec)
+    index = PieceIndex(spec)
+    tokens = spec.tokens()
+    sample = tokens[:300] + tokens[1000::4999] + ["<start_of_turn>", "<end_of_turn>", "a", "\n", "no such piece"]
+    assert [decoder.piece_to_id(piece) for piece in sample] == [index.get(piece) for piece in sample]
+    assert not decoder.has_encoder and not decoder.has_piece_index
+    odd = Tokenizer.from_spec(_spec(["x", "\U0001f30d", "\u00e9", "x", "\u2581a"]))
+    assert [odd.piece_to_id(piece) for piece in ("x", "\U0001f30d", "\u00e9", "\u2581a", "y")] == [0, 1, 2, 4, None]
+    assert not odd.has_piece_index
 
 
 def test_the_hash_keys_are_those_of_unsigned_64_bit_words():

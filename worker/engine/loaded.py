@@ -73,11 +73,6 @@ class Engine:
     def new_cache(self, max_tokens: int) -> KVCache:
         return self.model.new_cache(max_tokens)
 
-    def compiles_first(self) -> bool:
-        """Whether ``warm_up`` compiles (a first start on this CPU: kernels its helpers compile,
-        or block steps not yet compiled for this model), rather than loading what numba keeps."""
-        return self.compiling is not None and (bool(self.compiling.jobs) or bool(self._pending_steps()))
-
     def _pending_steps(self) -> list[str]:
         """The block steps' job where a first start may lack it and it is not yet marked."""
         if self.compiling is None:
