@@ -58,9 +58,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    from shared.wire_security import ClientKeys
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 120.0
@@ -543,9 +546,9 @@ def burst(stack: Stack, requests: int = 200, concurrency: int = 16) -> Row:
 
 # --- 6. an outsider on the worker's port --------------------------------------------------------
 
-def wire_outsider(endpoint: str, keys: tuple[bytes, bytes, bytes] | None, wait_ms: int = 2000) -> bool:
-    """Whether a raw DEALER (CURVE with ``keys`` = (public, secret, server), or none) hears
-    anything back for HELLO and a GENERATE."""
+def wire_outsider(endpoint: str, keys: ClientKeys | None, wait_ms: int = 2000) -> bytes | None:
+    """The first frame a raw DEALER (CURVE with ``keys``, or none) hears back for HELLO and a
+    GENERATE, or None."""
     import msgpack
     import zmq
 
@@ -554,13 +557,18 @@ def wire_outsider(endpoint: str, keys: tuple[bytes, bytes, bytes] | None, wait_m
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # A refused handshake leaves the DEALER with no peer and no reconnection: a blocking send
+    # would wait for ever.
+    sock.setsockopt(zmq.SNDTIMEO, wait_ms)
     if keys is not None:
-        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys.public, keys.secret, keys.server
     sock.connect(endpoint)
     try:
         sock.send_multipart([b"H", msgpack.packb({"version": PROTOCOL_VERSION, "gateway": "outsider"})])
         sock.send_multipart(Generate("outsider", [1, 2, 3], SamplingParams(temperature=0.0), 4).frames())
-        return bool(sock.poll(wait_ms))
+        return sock.recv_multipart()[0] if sock.poll(wait_ms) else None
+    except zmq.Again:
+        return None
     finally:
         sock.close(0)
 
@@ -568,13 +576,15 @@ def wire_outsider(endpoint: str, keys: tuple[bytes, bytes, bytes] | None, wait_m
 def outsider(stack: Stack, tries: int = 10) -> Row:
     import zmq.auth
 
+    from shared.wire_security import ClientKeys
+
     row = Row("outsider on the worker port")
     stranger = zmq.auth.load_certificate(stack.keys / "stranger.key_secret")
     worker = zmq.auth.load_certificate(stack.keys / "worker.key")[0]
     for i in range(tries):
-        keys = None if i % 2 == 0 else (*stranger, worker)
+        keys = None if i % 2 == 0 else ClientKeys(*stranger, worker)
         row.tries += 1
-        row.breached += wire_outsider(stack.worker_endpoint, keys)
+        row.breached += wire_outsider(stack.worker_endpoint, keys) is not None
     row.notes.append(f"{tries // 2 + tries % 2} without CURVE, {tries // 2} with a key not allowed: "
                      f"{tries - row.breached} got nothing")
     check = send(httpx.Client(), stack.url(0), CHAT, json.dumps(

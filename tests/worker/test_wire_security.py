@@ -6,16 +6,17 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import msgpack
 import openai
 import pytest
 import zmq
 import zmq.auth
 from conftest import REPO, free_port, run
 
+from bench.faults import wire_outsider
+
 from gateway.worker_client import WorkerClient
 from launcher.cli import main as lmserve
-from shared.protocol import PROTOCOL_VERSION, Finished, Generate, MsgType, Tokens
+from shared.protocol import Finished, Generate, MsgType, Tokens
 from shared.sampling_params import SamplingParams
 from shared.wire_security import ClientKeys, is_loopback_endpoint
 
@@ -48,32 +49,16 @@ def test_key_files_are_private_and_never_replaced(keys):
     assert (keys / "worker.key_secret").read_bytes() == before
 
 
-def _outsider(endpoint: str, wire: ClientKeys | None) -> bytes | None:
-    """What a raw DEALER gets for HELLO and a GENERATE: the first frame it hears, or None."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if wire is not None:
-        sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = wire.secret, wire.public, wire.server
-    sock.connect(endpoint)
-    try:
-        sock.send_multipart([b"H", msgpack.packb({"version": PROTOCOL_VERSION, "gateway": "outsider"})])
-        request = Generate("outsider-1", [1, 2, 3], SamplingParams(temperature=0.0), 4)
-        sock.send_multipart(request.frames())
-        return sock.recv_multipart()[0] if sock.poll(SILENCE_MS) else None
-    finally:
-        sock.close(0)
-
-
 def test_a_peer_without_curve_gets_nothing(secured):
-    assert _outsider(secured.endpoint, None) is None
+    assert wire_outsider(secured.endpoint, None, SILENCE_MS) is None
 
 
 def test_a_peer_whose_key_is_not_allowed_gets_nothing(secured, keys):
-    assert _outsider(secured.endpoint, client_keys(keys, who="stranger")) is None
+    assert wire_outsider(secured.endpoint, client_keys(keys, who="stranger"), SILENCE_MS) is None
 
 
 def test_a_gateway_expecting_another_worker_key_talks_to_no_impostor(secured, keys):
-    assert _outsider(secured.endpoint, client_keys(keys, server="stranger")) is None
+    assert wire_outsider(secured.endpoint, client_keys(keys, server="stranger"), SILENCE_MS) is None
 
 
 def test_the_allowed_gateway_gets_its_card_and_tokens(secured, keys):
@@ -96,7 +81,7 @@ def test_the_allowed_gateway_gets_its_card_and_tokens(secured, keys):
     assert card.model_id.startswith("SmolLM2")
     assert len(ids) == finished.completion_tokens > 0
     # the raw protocol's own HELLO works too, given the keys: the refusals above were the keys'
-    assert _outsider(secured.endpoint, client_keys(keys)) == MsgType.MODEL_CARD.value
+    assert wire_outsider(secured.endpoint, client_keys(keys)) == MsgType.MODEL_CARD.value
 
 
 def test_the_sdk_through_a_gateway_holding_the_keys(start_gateway, secured, keys):
