@@ -56,6 +56,27 @@ from shared.wire_security import ClientKeys, secure_client
 log = logging.getLogger("lmserve.gateway")
 
 FIRST_REPLY_TIMEOUT = 60.0
+# After a handshake the worker refused, libzmq never connects again by itself: the client does,
+# this often, so a worker restarted with the right keys is found.
+REFUSED_RETRY = 2.0
+
+
+def refused_handshake(event: int, endpoint: str, wire: ClientKeys | None) -> str | None:
+    """What to fix when the CURVE handshake with the worker failed (a monitor ``event``), or
+    None for any other event."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"the worker at {endpoint} refused this gateway's key: list the gateway's public key in "
+                "the worker's --wire-allow")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return (f"the CURVE handshake with the worker at {endpoint} failed: this gateway's --worker-key must "
+                "be the public half of the worker's --wire-key")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        if wire is None:
+            return (f"the worker at {endpoint} speaks CURVE and this gateway has no keys: give it --wire-key "
+                    "and --worker-key")
+        return (f"the worker at {endpoint} has no --wire-key, and this gateway speaks CURVE: give both "
+                "keys, or neither")
+    return None
 # what a worker sends in answer to a request, routed to that request
 REPLIES = (Accepted, Busy, Rejected, Tokens, Finished, Embeddings)
 
@@ -125,7 +146,9 @@ class WorkerClient:
         # A worker that dies (its connection drops) is given up at once, not after the heartbeat
         # timeout: its requests fail now, and a pool of workers resends the unstarted ones. When
         # the connection is made again, HELLO goes out at once, not at the next heartbeat.
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         sock.connect(self.endpoint)
         self._socket = sock
         self._tasks = [asyncio.create_task(self._read_loop(), name="worker-reader"),
@@ -354,10 +377,25 @@ class WorkerClient:
                     self.give_up(f"the connection to the worker at {self.endpoint} dropped")
                 elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.ready:
                     await self._send(Hello(PROTOCOL_VERSION, self.name))
+                elif (refused := refused_handshake(event["event"], self.endpoint, self.wire)) is not None:
+                    if refused != self.version_error:
+                        log.error("%s", refused)
+                    self.version_error = refused
+                    if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # libzmq retries that one
+                        await asyncio.sleep(REFUSED_RETRY)
+                        self._reconnect()
         finally:
             if self._socket is not None:
                 self._socket.disable_monitor()
             monitor.close(0)
+
+    def _reconnect(self) -> None:
+        assert self._socket is not None
+        try:
+            self._socket.disconnect(self.endpoint)
+        except zmq.ZMQError:  # the refused connection is already gone
+            pass
+        self._socket.connect(self.endpoint)
 
     async def _beat_loop(self) -> None:
         while True:

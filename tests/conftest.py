@@ -88,8 +88,8 @@ class ChildProcess:
 class WorkerProcess(ChildProcess):
     """A real ``lmserve worker`` child process on a loopback port."""
 
-    def __init__(self, model: Path | str, *flags: str, log_path: Path, wire=None):
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+    def __init__(self, model: Path | str, *flags: str, log_path: Path, wire=None, endpoint: str | None = None):
+        self.endpoint = endpoint or f"tcp://127.0.0.1:{free_port()}"
         self.log_path = log_path
         self.wire = wire  # the CURVE keys a gateway of this worker holds (shared.wire_security.ClientKeys)
         self.args = [sys.executable, "-m", "launcher.cli", "worker", str(model), "--worker", self.endpoint, *flags]
@@ -127,8 +127,9 @@ def _workers(tmp_path_factory) -> Iterator:
     started: list[WorkerProcess] = []
     logs = tmp_path_factory.mktemp("worker-logs")
 
-    def start(model, *flags: str, wire=None) -> WorkerProcess:
-        worker = WorkerProcess(model, *flags, log_path=logs / f"worker-{len(started)}.log", wire=wire).start()
+    def start(model, *flags: str, wire=None, endpoint: str | None = None) -> WorkerProcess:
+        worker = WorkerProcess(model, *flags, log_path=logs / f"worker-{len(started)}.log", wire=wire,
+                               endpoint=endpoint).start()
         started.append(worker)
         worker.wait_ready()
         return worker
@@ -142,7 +143,8 @@ def _workers(tmp_path_factory) -> Iterator:
 # it started until its end grew to 17 GB of memory in use on a 24 GiB machine (3.5 GB since).
 @pytest.fixture(scope="module")
 def start_worker(tmp_path_factory) -> Iterator:
-    """Factory: start_worker(model, *flags) -> a ready WorkerProcess, stopped when the module ends."""
+    """Factory: start_worker(model, *flags, wire=, endpoint=) -> a ready WorkerProcess, stopped
+    when the module ends."""
     yield from _workers(tmp_path_factory)
 
 

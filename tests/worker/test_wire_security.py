@@ -6,11 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import httpx
 import openai
 import pytest
 import zmq
 import zmq.auth
-from conftest import REPO, free_port, run
+from conftest import REPO, free_port, run, wait_until
 
 from bench.faults import wire_outsider
 
@@ -90,6 +91,56 @@ def test_the_sdk_through_a_gateway_holding_the_keys(start_gateway, secured, keys
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused")
     reply = client.chat.completions.create(model="any", max_tokens=4, temperature=0,
                                            messages=[{"role": "user", "content": "Hi"}])
+    assert reply.usage.completion_tokens > 0
+
+
+def _unready_reason(gateway) -> str:
+    """What a gateway's /health says keeps it from serving, once it says something."""
+    said = {}
+
+    def says() -> bool:
+        try:
+            response = httpx.get(gateway.url + "/health", timeout=10)
+        except httpx.ConnectError:  # not listening yet
+            return False
+        said.update(response.json())
+        return response.status_code == 503 and bool(said.get("error"))
+
+    assert wait_until(says, timeout=30), f"/health said {said}"
+    return said["error"]
+
+
+@pytest.mark.parametrize("who, server, says", [
+    ("stranger", "worker", "refused this gateway's key: list the gateway's public key in the worker's --wire-allow"),
+    ("gateway", "stranger", "this gateway's --worker-key must be the public half of the worker's --wire-key"),
+    (None, None, "speaks CURVE and this gateway has no keys: give it --wire-key and --worker-key"),
+])
+def test_a_gateway_holding_the_wrong_keys_says_which(start_gateway, secured, keys, who, server, says):
+    flags = () if who is None else ("--wire-key", str(keys / f"{who}.key_secret"), "--worker-key",
+                                    str(keys / f"{server}.key"))
+    gateway = start_gateway(secured, *flags, wait=False)
+    assert says in _unready_reason(gateway)
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model="any", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    assert refused.value.status_code == 503 and says in refused.value.message
+
+
+def test_a_refused_gateway_finds_the_worker_restarted_with_its_key(start_worker, start_gateway, default_model, keys):
+    """libzmq never connects again after a refused handshake: the gateway does, so fixing the
+    worker's --wire-allow is enough."""
+    secret = str(keys / "worker.key_secret")
+    strangers_only = start_worker(default_model, "--wire-key", secret, "--wire-allow", str(keys / "stranger.key"),
+                                  "--ctx", "1024", wire=client_keys(keys, who="stranger"))
+    gateway = start_gateway(strangers_only, "--wire-key", str(keys / "gateway.key_secret"),
+                            "--worker-key", str(keys / "worker.key"), wait=False)
+    assert "refused this gateway's key" in _unready_reason(gateway)
+    strangers_only.stop()
+    start_worker(default_model, "--wire-key", secret, "--wire-allow", str(keys / "gateway.key"), "--ctx", "1024",
+                 wire=client_keys(keys), endpoint=strangers_only.endpoint)
+    gateway.wait_ready()
+    reply = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused").chat.completions.create(
+        model="any", max_tokens=4, temperature=0, messages=[{"role": "user", "content": "Hi"}])
     assert reply.usage.completion_tokens > 0
 
 
