@@ -56,28 +56,31 @@ from shared.wire_security import ClientKeys, secure_client
 log = logging.getLogger("lmserve.gateway")
 
 FIRST_REPLY_TIMEOUT = 60.0
-# After a handshake the worker refused, libzmq never connects again by itself: the client does,
-# this often, so a worker restarted with the right keys is found.
+# After a refused key or CURVE on one side only, libzmq never connects again by itself: the client
+# does, this often, so a worker restarted with the right keys is found.
 REFUSED_RETRY = 2.0
+# Handshakes dropped in a row before the client says the keys do not fit (libzmq retries every
+# 100-250 ms here): one or two drops are a worker going down.
+DROPPED_HANDSHAKES = 4
 
 
 def refused_handshake(event: int, endpoint: str, wire: ClientKeys | None) -> str | None:
     """What to fix when the CURVE handshake with the worker failed (a monitor ``event``), or
-    None for any other event."""
+    None for any other event. Which failure event a mismatch raises depends on who notices it
+    first, so the advice rests on this gateway's own keys."""
+    if event not in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+        return None
+    if wire is None:
+        return (f"the handshake with the worker at {endpoint} failed: a worker with --wire-key answers only "
+                "a gateway given --wire-key and --worker-key")
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return (f"the worker at {endpoint} refused this gateway's key: list the gateway's public key in "
                 "the worker's --wire-allow")
-    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        return (f"the CURVE handshake with the worker at {endpoint} failed: this gateway's --worker-key must "
-                "be the public half of the worker's --wire-key")
-    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        if wire is None:
-            return (f"the worker at {endpoint} speaks CURVE and this gateway has no keys: give it --wire-key "
-                    "and --worker-key")
-        return (f"the worker at {endpoint} has no --wire-key, and this gateway speaks CURVE: give both "
-                "keys, or neither")
-    return None
-# what a worker sends in answer to a request, routed to that request
+    return (f"the CURVE handshake with the worker at {endpoint} failed: the worker needs a --wire-key, and "
+            "this gateway's --worker-key must be its public half")
+
+
 REPLIES = (Accepted, Busy, Rejected, Tokens, Finished, Embeddings)
 
 
@@ -370,18 +373,27 @@ class WorkerClient:
             queue.put_nowait(error)
 
     async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+        dropped_handshakes = 0  # in a row: a worker holding another key, or one going down
         try:
             while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_DISCONNECTED:
                     self.give_up(f"the connection to the worker at {self.endpoint} dropped")
-                elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.ready:
-                    await self._send(Hello(PROTOCOL_VERSION, self.name))
-                elif (refused := refused_handshake(event["event"], self.endpoint, self.wire)) is not None:
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    dropped_handshakes = 0
+                    if not self.ready:
+                        await self._send(Hello(PROTOCOL_VERSION, self.name))
+                elif (refused := refused_handshake(event, self.endpoint, self.wire)) is not None:
+                    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                        # a connection dropped in its handshake: libzmq tries again by itself,
+                        # and only a drop that repeats says the keys do not fit
+                        dropped_handshakes += 1
+                        if dropped_handshakes < DROPPED_HANDSHAKES:
+                            continue
                     if refused != self.version_error:
                         log.error("%s", refused)
                     self.version_error = refused
-                    if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # libzmq retries that one
+                    if event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
                         await asyncio.sleep(REFUSED_RETRY)
                         self._reconnect()
         finally:

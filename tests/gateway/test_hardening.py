@@ -107,7 +107,7 @@ def test_images_of_earlier_turns_stand_as_a_note_in_every_dialect(stack, anthrop
         {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": "{\"path\": \"a.png\"}"},
         {"type": "function_call_output", "call_id": "c1",
          "output": [{"type": "input_image", "image_url": "data:image/png;base64," + PNG}]}])
-    assert response.status == "incomplete"  # it ran, to its 2 tokens
+    assert response.status in ("incomplete", "completed")  # it ran: to its 2 tokens, or sampled an end sooner
     with_image = anthropic_client.messages.count_tokens(model="m", messages=[
         {"role": "user", "content": [ANTHROPIC_IMAGE, {"type": "text", "text": "What is this?"}]},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},

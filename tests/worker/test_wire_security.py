@@ -110,15 +110,19 @@ def _unready_reason(gateway) -> str:
     return said["error"]
 
 
-@pytest.mark.parametrize("who, server, says", [
-    ("stranger", "worker", "refused this gateway's key: list the gateway's public key in the worker's --wire-allow"),
-    ("gateway", "stranger", "this gateway's --worker-key must be the public half of the worker's --wire-key"),
-    (None, None, "speaks CURVE and this gateway has no keys: give it --wire-key and --worker-key"),
+@pytest.mark.parametrize("worker, who, server, says", [
+    ("secured", "stranger", "worker",
+     "refused this gateway's key: list the gateway's public key in the worker's --wire-allow"),
+    ("secured", "gateway", "stranger",
+     "the worker needs a --wire-key, and this gateway's --worker-key must be its public half"),
+    ("secured", None, None, "a worker with --wire-key answers only a gateway given --wire-key and --worker-key"),
+    ("stack_worker", "gateway", "worker",  # a worker on loopback without keys
+     "the worker needs a --wire-key, and this gateway's --worker-key must be its public half"),
 ])
-def test_a_gateway_holding_the_wrong_keys_says_which(start_gateway, secured, keys, who, server, says):
+def test_a_gateway_holding_the_wrong_keys_says_which(request, start_gateway, keys, worker, who, server, says):
     flags = () if who is None else ("--wire-key", str(keys / f"{who}.key_secret"), "--worker-key",
                                     str(keys / f"{server}.key"))
-    gateway = start_gateway(secured, *flags, wait=False)
+    gateway = start_gateway(request.getfixturevalue(worker), *flags, wait=False)
     assert says in _unready_reason(gateway)
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.APIStatusError) as refused:
