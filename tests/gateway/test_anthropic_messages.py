@@ -54,7 +54,7 @@ def test_non_streaming_answer_and_usage(client):
 
 
 def test_max_tokens_reached(client):
-    reply = client.messages.create(model="m", max_tokens=3, messages=PARIS)
+    reply = client.messages.create(model="m", max_tokens=3, extra_body=GREEDY, messages=PARIS)
     assert reply.stop_reason == "max_tokens"
     assert reply.usage.output_tokens == 3
 
