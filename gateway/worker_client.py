@@ -64,13 +64,15 @@ REFUSED_RETRY = 2.0
 DROPPED_HANDSHAKES = 4
 
 
-def refused_handshake(event: int, endpoint: str, wire: ClientKeys | None) -> str | None:
-    """What to fix when the CURVE handshake with the worker failed (a monitor ``event``), or
-    None for any other event. Which failure event a mismatch raises depends on who notices it
-    first, so the advice rests on this gateway's own keys."""
-    if event not in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
-        return None
+# The monitor events of a failed handshake (each event is one bit).
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def refused_handshake(event: int, endpoint: str, wire: ClientKeys | None) -> str:
+    """What to fix when the handshake with the worker failed with ``event``. Which event a
+    mismatch raises varies from one connection to the next, so the advice rests on this
+    gateway's own keys."""
     if wire is None:
         return (f"the handshake with the worker at {endpoint} failed: a worker with --wire-key answers only "
                 "a gateway given --wire-key and --worker-key")
@@ -81,6 +83,7 @@ def refused_handshake(event: int, endpoint: str, wire: ClientKeys | None) -> str
             "this gateway's --worker-key must be its public half")
 
 
+# what a worker sends in answer to a request, routed to that request
 REPLIES = (Accepted, Busy, Rejected, Tokens, Finished, Embeddings)
 
 
@@ -149,9 +152,7 @@ class WorkerClient:
         # A worker that dies (its connection drops) is given up at once, not after the heartbeat
         # timeout: its requests fail now, and a pool of workers resends the unstarted ones. When
         # the connection is made again, HELLO goes out at once, not at the next heartbeat.
-        monitor = sock.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
         sock.connect(self.endpoint)
         self._socket = sock
         self._tasks = [asyncio.create_task(self._read_loop(), name="worker-reader"),
@@ -383,13 +384,14 @@ class WorkerClient:
                     dropped_handshakes = 0
                     if not self.ready:
                         await self._send(Hello(PROTOCOL_VERSION, self.name))
-                elif (refused := refused_handshake(event, self.endpoint, self.wire)) is not None:
+                elif event & HANDSHAKE_FAILED:
                     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
                         # a connection dropped in its handshake: libzmq tries again by itself,
                         # and only a drop that repeats says the keys do not fit
                         dropped_handshakes += 1
                         if dropped_handshakes < DROPPED_HANDSHAKES:
                             continue
+                    refused = refused_handshake(event, self.endpoint, self.wire)
                     if refused != self.version_error:
                         log.error("%s", refused)
                     self.version_error = refused
